@@ -1,0 +1,23 @@
+"""tritonllm's engine: `from backend import LLM, SamplingParams` mirrors vLLM's offline API."""
+
+from backend.config import EngineConfig
+from backend.outputs import CompletionOutput, Logprob, RequestOutput
+from backend.sampling_params import RequestOutputKind, SamplingParams
+
+
+def __getattr__(name: str):
+    # The engine pulls in torch; import it only when asked for.
+    if name == "LLM":
+        from backend.llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from backend.engine import LLMEngine
+        return LLMEngine
+    if name == "AsyncLLMEngine":
+        from backend.async_engine import AsyncLLMEngine
+        return AsyncLLMEngine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineConfig", "SamplingParams",
+           "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -1,0 +1,104 @@
+"""EngineConfig: the one place every engine knob is named.
+
+The field names are the `LLM(...)` keyword arguments, the `tritonllm serve --flags` (with dashes)
+and the keys of the Triton model's `model.json`. Invalid values raise `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = field(default=None, metadata={"help": "HF model folder; default: the prepared SmolLM2"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder; default: the model's"})
+    served_model_name: str | None = field(default=None, metadata={"help": "name reported to clients"})
+    dtype: str = field(default="auto", metadata={"help": "auto = bfloat16 on CUDA and bf16-capable CPUs, else float32"})
+    seed: int = field(default=0, metadata={"help": "seed for requests that set none"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
+    max_model_len: int | None = field(default=None, metadata={"help": "prompt + output limit; default: the model's"})
+    max_num_seqs: int = field(default=256, metadata={"help": "requests running at once"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "tokens computed per step"})
+    kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": "KV cache size (CPU); default: min(4 GiB, 1/4 of free RAM)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory the engine may use"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of identical prefixes"})
+    enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
+    preemption_mode: str = field(default="recompute", metadata={"help": "recompute or swap"})
+    swap_space: float = field(default=4.0, metadata={"help": "GiB of CPU swap space for preemption_mode=swap"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel workers"})
+    pipeline_parallel_size: int = field(default=1, metadata={"help": "pipeline-parallel stages"})
+    quantization: str | None = field(default=None, metadata={"help": "weight quantization method"})
+    skip_tokenizer_init: bool = field(default=False, metadata={"help": "token ids in, token ids out"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}: {message} (got {getattr(self, name)!r})")
+
+        check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+              "block_size", "must be a positive power of two")
+        check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
+        check(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
+        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,
+              "max_num_batched_tokens", "must be positive")
+        check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+              "kv_cache_memory_bytes", "must be positive")
+        check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
+        check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+              f"must be one of {', '.join(PREEMPTION_MODES)}")
+        check(self.swap_space >= 0, "swap_space", "must not be negative")
+        check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
+        check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be at least 1")
+        check(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
+        """Build from model.json-style keys; strings are cast to the field's type."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**{name: cast_value(name, known[name].type, value) for name, value in values.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def resolved_model(self) -> str:
+        if self.model:
+            return os.path.expanduser(self.model)
+        from tools.prepare_model import prepare_model
+        return str(prepare_model())
+
+
+def cast_value(name: str, type_name: str, value: Any) -> Any:
+    """Cast a JSON or CLI value to a dataclass field's annotated type (given as a string)."""
+    if value is None or not isinstance(value, str) or type_name.startswith("str"):
+        if type_name.startswith("bool") and not isinstance(value, (bool, type(None))):
+            raise ValueError(f"{name}: expected a boolean (got {value!r})")
+        return value
+    text = value.strip()
+    if "None" in type_name and text.lower() in ("", "none", "null"):
+        return None
+    try:
+        if type_name.startswith("bool"):
+            if text.lower() in ("true", "1", "yes"):
+                return True
+            if text.lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if type_name.startswith("int"):
+            return int(text)
+        if type_name.startswith("float"):
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{name}: cannot read {value!r} as {type_name.split(' ')[0]}") from None
+    return value

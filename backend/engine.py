@@ -1,0 +1,216 @@
+"""LLMEngine: the loop. `add_request` validates and queues, `step` schedules, runs the model, samples
+and returns outputs, `abort_request` frees a request at once. Nothing else lives here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from pathlib import Path
+
+from backend.config import EngineConfig
+from backend.kv_cache import KVCacheManager
+from backend.metrics import EngineMetrics
+from backend.model_runner import ModelRunner, load_hf_config
+from backend.output_processor import ChildState, ParentRequest, append_token, make_output
+from backend.detokenizer import IncrementalDetokenizer
+from backend.outputs import RequestOutput
+from backend.request import Request
+from backend.sampling import Sampler
+from backend.sampling_params import SamplingParams
+from backend.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids(model_path: str, hf_config: dict) -> set[int]:
+    ids = hf_config.get("eos_token_id")
+    generation = Path(model_path) / "generation_config.json"
+    if generation.is_file():
+        ids = json.loads(generation.read_text()).get("eos_token_id", ids)
+    if ids is None:
+        return set()
+    return set(ids) if isinstance(ids, list) else {ids}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = config.resolved_model()
+        hf_config = load_hf_config(self.model_path)
+        self.model_name = config.served_model_name or Path(self.model_path).name
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or self.model_path)
+        model_limit = hf_config.get("max_position_embeddings", 2048)
+        if config.max_model_len is not None and config.max_model_len > model_limit:
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({model_limit})")
+        self.max_model_len = config.max_model_len or model_limit
+        max_batched = config.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = 2048 if config.enable_chunked_prefill else max(2048, self.max_model_len)
+        if not config.enable_chunked_prefill and max_batched < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens: {max_batched} is smaller than max_model_len "
+                             f"({self.max_model_len}) while chunked prefill is off")
+        if config.preemption_mode != "recompute":
+            raise NotImplementedError("preemption_mode: only 'recompute' is implemented so far")
+        self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len)
+        self.vocab_size = self.runner.args.vocab_size
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                       config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, max_batched,
+                                   config.enable_chunked_prefill)
+        self.sampler = Sampler(config.seed)
+        self.metrics = EngineMetrics()
+        self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
+        self.parents: dict[str, ParentRequest] = {}
+        self.children: dict[str, tuple[ParentRequest, ChildState]] = {}
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer (skip_tokenizer_init is set)")
+            return prompt, self.tokenizer(prompt).input_ids
+        ids = list(prompt)
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
+        return None, ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    *, arrival_time: float | None = None, cache_salt: str | None = None,
+                    priority: int = 0) -> None:
+        """Validate and queue a request; raises ValueError with a clear message if it can never run."""
+        if request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = copy.copy(params or SamplingParams())
+        prompt_text, prompt_ids = self.tokenize(prompt)
+        if not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        num_prompt = len(prompt_ids)
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - num_prompt
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens; the "
+                             f"request asks for {num_prompt + params.max_tokens} ({num_prompt} in the "
+                             f"prompt, {params.max_tokens} max_tokens). Shorten the prompt or max_tokens.")
+        needed = self.kv_cache.blocks_needed(num_prompt + params.max_tokens)
+        if needed > self.kv_cache.num_blocks:
+            raise ValueError(f"the request needs {needed} KV-cache blocks but only "
+                             f"{self.kv_cache.num_blocks} exist; raise kv_cache_memory_bytes")
+        params.all_stop_token_ids = self.eos_token_ids | set(params.stop_token_ids or ())
+        parent = ParentRequest(request_id, prompt_text, prompt_ids, params.output_kind)
+        arrival_time = arrival_time or time.time()
+        for index in range(params.n):
+            child_params = params
+            child_id = request_id
+            if params.n > 1:
+                child_params = copy.copy(params)
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + index
+                child_id = f"{index}_{request_id}"
+            request = Request(child_id, prompt_text, prompt_ids, child_params, index=index,
+                              parent_id=request_id, cache_salt=cache_salt, priority=priority,
+                              arrival_time=arrival_time)
+            detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)
+            child = ChildState(request, detokenizer)
+            parent.children.append(child)
+            self.children[child_id] = (parent, child)
+        self.parents[request_id] = parent
+        for child in parent.children:
+            self.scheduler.add(child.request)
+        self._update_gauges()
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (finish_reason abort)."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return None
+        for child in parent.children:
+            request = child.request
+            if not request.is_finished:
+                request.finish_reason = "abort"
+                self.scheduler.finish(request)
+            self.children.pop(request.request_id, None)
+        self._update_gauges()
+        return make_output(parent, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.preempted:
+            self.metrics.registry.inc(self.metrics.num_preemptions, len(plan.preempted))
+        for request in plan.newly_admitted:
+            request.metrics.first_scheduled_time = time.time()
+            queried = request.num_prompt_tokens
+            self.metrics.registry.inc(self.metrics.prefix_cache_queries, queried)
+            self.metrics.registry.inc(self.metrics.prefix_cache_hits, request.num_cached_tokens)
+        if not plan.scheduled:
+            self._update_gauges()
+            return []
+        logits, sampled_requests = self.runner.execute(plan.scheduled)
+        for request, num_new in plan.scheduled:
+            request.num_computed_tokens += num_new
+            self.kv_cache.cache_full_blocks(request)
+        result = self.sampler(logits, sampled_requests) if sampled_requests else None
+
+        updated: dict[str, set[int]] = {}
+        for row, request in enumerate(sampled_requests):
+            parent, child = self.children[request.request_id]
+            if request.num_output_tokens == 0:
+                self.metrics.registry.inc(self.metrics.prompt_tokens, request.num_prompt_tokens)
+                self._observe(self.metrics.time_to_first_token, time.time() - request.metrics.arrival_time)
+            elif request.metrics.last_token_time is not None:
+                self._observe(self.metrics.inter_token_latency, time.time() - request.metrics.last_token_time)
+            append_token(child, result.token_ids[row], result.logprobs[row], self.eos_token_ids,
+                         self.max_model_len)
+            self.metrics.registry.inc(self.metrics.generation_tokens)
+            updated.setdefault(parent.request_id, set()).add(request.index)
+            if request.finish_reason is not None:
+                self.scheduler.finish(request)
+                request.metrics.finished_time = time.time()
+
+        outputs = []
+        for parent_id, indexes in updated.items():
+            parent = self.parents[parent_id]
+            output = make_output(parent, indexes)
+            if output is not None:
+                outputs.append(output)
+            if parent.finished:
+                self._retire(parent)
+        self._update_gauges()
+        return outputs
+
+    def _retire(self, parent: ParentRequest) -> None:
+        del self.parents[parent.request_id]
+        for child in parent.children:
+            del self.children[child.request.request_id]
+        self.metrics.registry.inc(self.metrics.request_success)
+        first = parent.children[0].request.metrics
+        self._observe(self.metrics.e2e_request_latency, time.time() - first.arrival_time)
+
+    def _observe(self, metric, value: float) -> None:
+        self.metrics.registry.observe(metric, value)
+
+    def _update_gauges(self) -> None:
+        registry, m = self.metrics.registry, self.metrics
+        registry.set(m.num_requests_running, len(self.scheduler.running))
+        registry.set(m.num_requests_waiting, len(self.scheduler.waiting))
+        registry.set(m.kv_cache_usage_perc, self.kv_cache.usage)
+
+    def get_metrics(self):
+        return self.metrics.registry.snapshot()

@@ -1,0 +1,131 @@
+"""KV-cache block manager: blocks, block tables, reference counts, prefix hashing and LRU reuse.
+
+A block holds `block_size` tokens' keys and values for every layer. Full blocks are keyed by a hash
+chained over (parent hash, the block's token ids, extra keys such as a cache salt); a hit is
+confirmed by comparing token ids. Freed blocks keep their contents and stay findable until the
+least-recently-used one is reused; a request's blocks are freed tail first so its tail is evicted
+before the shared head.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from backend.request import Request
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks with ref_count 0, least recently used first. Cached ones stay in hash_to_block.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _block_hash(self, parent: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
+        return hash((parent, token_ids, salt))
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks holding the longest cached prefix of the request, never covering its last token
+        (that token's logits must be computed)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent = None
+        tokens = request.all_token_ids
+        for start in range(0, request.num_tokens - 1 - self.block_size + 1, self.block_size):
+            block_tokens = tuple(tokens[start:start + self.block_size])
+            parent = self._block_hash(parent, block_tokens, request.cache_salt)
+            block_id = self.hash_to_block.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != block_tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: list[int] | None = None) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens (after any cached prefix).
+        Returns False, changing nothing, when there are not enough free blocks."""
+        cached_blocks = cached_blocks or []
+        num_cached_tokens = len(cached_blocks) * self.block_size
+        total = request.num_computed_tokens + num_cached_tokens + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(request.block_table) - len(cached_blocks)
+        # Cached blocks with no owner sit in the free queue; taking them uses up free blocks too.
+        num_revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        if num_new_blocks + num_revived > self.num_free_blocks:
+            return False
+        for block_id in cached_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+            request.block_table.append(block_id)
+            request.block_hashes.append(block.hash)
+        request.num_computed_tokens += num_cached_tokens
+        for _ in range(max(num_new_blocks, 0)):
+            block_id, _ = self.free_blocks.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict: its old contents are about to be overwritten
+                if self.hash_to_block.get(block.hash) == block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
+            request.block_table.append(block_id)
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly completed blocks so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        tokens = request.all_token_ids
+        for index in range(len(request.block_hashes), num_full):
+            block_tokens = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            block_hash = self._block_hash(parent, block_tokens, request.cache_salt)
+            request.block_hashes.append(block_hash)
+            block = self.blocks[request.block_table[index]]
+            block.hash, block.token_ids = block_hash, block_tokens
+            self.hash_to_block.setdefault(block_hash, block.block_id)
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references, tail first. Uncached blocks are reused first; cached
+        ones wait at the back of the queue so they can still be hit."""
+        for block_id in reversed(request.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+                if block.hash is None:
+                    self.free_blocks.move_to_end(block_id, last=False)
+        request.block_table = []
+        request.block_hashes = []
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in self.free_blocks:
+            block = self.blocks[block_id]
+            block.hash, block.token_ids = None, ()
+        self.hash_to_block = {b.hash: b.block_id for b in self.blocks if b.hash is not None}

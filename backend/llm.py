@@ -1,0 +1,81 @@
+"""LLM: the offline API, shaped like vLLM's (`generate`, `chat`, `get_metrics`)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.outputs import RequestOutput
+from backend.sampling_params import RequestOutputKind, SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs come back in the prompts' order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("sampling_params: give one, or one per prompt")
+        order = {}
+        for prompt, params in zip(prompts, sampling_params):
+            params = SamplingParams(**{**params.__dict__, "output_kind": RequestOutputKind.FINAL_ONLY})
+            request_id = str(next(self._request_counter))
+            order[request_id] = len(order)
+            self.llm_engine.add_request(request_id, prompt, params)
+        return self._run(order, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
+             chat_template: str | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = [tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                                 add_generation_prompt=add_generation_prompt)
+                   for conversation in conversations]
+        # The template already holds the special tokens; don't let the tokenizer add a BOS twice.
+        token_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        outputs = self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+        for output, prompt in zip(outputs, prompts):
+            output.prompt = prompt
+        return outputs
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(order), desc="generate", unit="req")
+        try:
+            while any(r is None for r in results):
+                for output in self.llm_engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+                        if bar:
+                            bar.update(1)
+        except BaseException:
+            for request_id in order:
+                self.llm_engine.abort_request(request_id)
+            raise
+        finally:
+            if bar:
+                bar.close()
+        return results
+
+    def get_metrics(self):
+        return self.llm_engine.get_metrics()

@@ -1,0 +1,1 @@
+"""Model implementations, each written against the paged-attention op."""

@@ -1,0 +1,75 @@
+"""Request: one sequence's state as it moves through the scheduler (vLLM v1's shape).
+
+There is no prefill or decode phase: a request has `all_token_ids` (prompt, then outputs) and
+`num_computed_tokens`, the prefix whose keys and values already sit in its KV blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from backend.outputs import RequestMetrics, SampleLogprobs
+from backend.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, *, index: int = 0, parent_id: str | None = None,
+                 cache_salt: str | None = None, priority: int = 0,
+                 arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id or request_id
+        self.index = index  # which of the parent's n samples this is
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.cache_salt = cache_salt
+        self.priority = priority
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of this request's full, cached blocks
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, status={self.status.value})")

@@ -1,0 +1,146 @@
+"""Sampler: logits -> next tokens (and logprobs) for a whole batch at once.
+
+Processing order follows vLLM: raw logprobs are taken from the model's logits before anything
+changes them; then min_tokens suppression, logit_bias and penalties; then greedy rows take the
+argmax while the others go through temperature, top-k, top-p and min-p and draw with the
+exponential-race trick (argmax of probs / Exp(1) noise), which lets a seeded request draw its
+noise from its own generator so its tokens do not depend on its batch mates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.request import Request
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per row: None, or (sampled token's logprob, its rank, [(token_id, logprob) for the top-N]).
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        params = [r.params for r in requests]
+        want_logprobs = [p.logprobs is not None for p in params]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+
+        self._suppress_stop_tokens(logits, requests)
+        self._apply_logit_bias(logits, requests)
+        if any(p.uses_penalties for p in params):
+            apply_penalties(logits, requests)
+
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._random_sample(logits, requests, greedy)
+
+        result = SampleResult(token_ids.tolist(), [None] * len(requests))
+        if raw_logprobs is not None:
+            self._gather_logprobs(raw_logprobs, token_ids, params, want_logprobs, result)
+        return result
+
+    def _random_sample(self, logits: torch.Tensor, requests: list[Request],
+                       greedy: list[bool]) -> torch.Tensor:
+        params = [r.params for r in requests]
+        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)])
+        logits = logits / temperature.unsqueeze(1)
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = apply_top_k_top_p(logits, torch.tensor(top_k), torch.tensor(top_p))
+        probs = logits.softmax(dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(m > 0 for m in min_p):
+            threshold = torch.tensor(min_p).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, request in enumerate(requests):
+            if request.generator is not None and not greedy[row]:
+                noise[row].exponential_(generator=request.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+        for row, request in enumerate(requests):
+            params = request.params
+            if request.num_output_tokens < params.min_tokens:
+                stop_ids = set(params.stop_token_ids or ()) | params.all_stop_token_ids
+                if stop_ids:
+                    logits[row, list(stop_ids)] = float("-inf")
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+        for row, request in enumerate(requests):
+            bias = request.params.logit_bias
+            if bias:
+                ids = torch.tensor(list(bias.keys()))
+                logits[row, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+
+    @staticmethod
+    def _gather_logprobs(raw_logprobs, token_ids, params, want_logprobs, result) -> None:
+        rows = [i for i, want in enumerate(want_logprobs) if want]
+        lp = raw_logprobs[rows]
+        chosen = token_ids[rows]
+        chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
+        ranks = (lp > chosen_lp.unsqueeze(1)).sum(dim=1) + 1
+        k = max(params[i].logprobs for i in rows)
+        top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+        chosen_lp, ranks = chosen_lp.tolist(), ranks.tolist()
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        for j, row in enumerate(rows):
+            n = params[row].logprobs
+            result.logprobs[row] = (chosen_lp[j], ranks[j], list(zip(top_ids[j][:n], top_lp[j][:n])))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p nucleus (top_k 0 = off)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    outside = cumulative <= (1 - top_p).unsqueeze(1)
+    outside[:, -1] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Repetition penalty over prompt and output tokens; presence and frequency over outputs."""
+    batch, vocab = logits.shape
+    device = logits.device
+    output_counts = torch.zeros(batch, vocab + 1, device=device)
+    longest = max((r.num_output_tokens for r in requests), default=0)
+    if longest:
+        padded = torch.tensor([r.output_token_ids + [vocab] * (longest - r.num_output_tokens)
+                               for r in requests], device=device)
+        output_counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=output_counts.dtype))
+    output_counts = output_counts[:, :vocab]
+    repetition = torch.tensor([r.params.repetition_penalty for r in requests], device=device)
+    if (repetition != 1.0).any():
+        seen = output_counts > 0
+        longest_prompt = max(r.num_prompt_tokens for r in requests)
+        prompt = torch.tensor([r.prompt_token_ids + [vocab] * (longest_prompt - r.num_prompt_tokens)
+                               for r in requests], device=device)
+        prompt_seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
+        prompt_seen.scatter_(1, prompt, True)
+        seen |= prompt_seen[:, :vocab]
+        penalty = repetition.unsqueeze(1).expand_as(logits)
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits.copy_(torch.where(seen, penalised, logits))
+    frequency = torch.tensor([r.params.frequency_penalty for r in requests], device=device)
+    presence = torch.tensor([r.params.presence_penalty for r in requests], device=device)
+    logits -= frequency.unsqueeze(1) * output_counts
+    logits -= presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)

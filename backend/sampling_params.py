@@ -1,0 +1,99 @@
+"""SamplingParams: how one request is decoded, with vLLM's field names and defaults."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from backend.config import cast_value
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries everything generated so far
+    DELTA = 1       # every output carries only what is new since the previous one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Set by the engine, never by users: end-of-sequence ids from the model's generation config.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s] or None
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self.validate()
+
+    def validate(self) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+
+        check(self.n >= 1, "n", "must be at least 1")
+        check(self.temperature >= 0.0, "temperature", "must be non-negative")
+        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        check(self.top_k >= 0, "top_k", "must be 0 or -1 (disable), or at least 1")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        check(self.repetition_penalty > 0.0, "repetition_penalty", "must be greater than zero")
+        check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1")
+        check(self.min_tokens >= 0, "min_tokens", "must be non-negative")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+              "min_tokens", f"must be at most max_tokens ({self.max_tokens})")
+        check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []),
+              "stop_token_ids", "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+        """Build from a JSON object (Triton's `sampling_parameters`); numeric strings are cast."""
+        known = {f.name: f for f in fields(cls) if f.name not in ("output_kind", "all_stop_token_ids")}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        cast = {}
+        for name, value in values.items():
+            type_name = known[name].type
+            if isinstance(value, str) and name in ("stop",):
+                cast[name] = value
+            elif isinstance(value, str) and name == "stop_token_ids":
+                cast[name] = [int(v) for v in value.strip("[]").split(",") if v.strip()]
+            else:
+                cast[name] = cast_value(name, type_name, value)
+        return cls(**cast)

@@ -1,0 +1,73 @@
+"""The `tritonllm` command: prepare-model, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import MISSING, fields
+
+from backend.config import EngineConfig, cast_value
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, named as the field with dashes (vLLM's serve flags)."""
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if f.type.startswith("bool"):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            group.add_argument(flag, default=None, metavar=f.name.upper(),
+                               help=f"{help_text} (default: {f.default if f.default is not MISSING else None})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine config from the flags actually given (others keep EngineConfig's defaults)."""
+    return EngineConfig.from_dict(engine_args_from_namespace(args))
+
+
+def engine_args_from_namespace(args: argparse.Namespace) -> dict:
+    values = {}
+    for f in fields(EngineConfig):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            values[f.name] = cast_value(f.name, f.type, value)
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tritonllm", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    prepare = commands.add_parser("prepare-model", help="fetch and convert the default model (SmolLM2-135M-Instruct)")
+    prepare.add_argument("--force", action="store_true", help="convert again even if cached")
+
+    serve = commands.add_parser("serve", help="start Triton with the llm model and the OpenAI frontend")
+    try:
+        from tools.serve import add_serve_arguments
+        add_serve_arguments(serve)
+    except ImportError:
+        serve.set_defaults(serve_missing=True)
+    add_engine_arguments(serve)
+
+    bench = commands.add_parser("bench-offline", help="offline throughput against HF transformers")
+    from tools.bench_offline import add_arguments as add_bench_arguments
+    add_bench_arguments(bench)
+
+    args = parser.parse_args(argv)
+    if args.command == "prepare-model":
+        from tools.prepare_model import prepare_model
+        print(prepare_model(force=args.force))
+        return 0
+    if args.command == "serve":
+        from tools.serve import run_serve
+        return run_serve(args)
+    if args.command == "bench-offline":
+        from tools.bench_offline import run
+        return run(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
