@@ -90,6 +90,13 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError with a clear message if it can never run."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self.enqueue(self.process_request(request_id, prompt, params, arrival_time=arrival_time,
+                                          cache_salt=cache_salt, priority=priority))
+
+    def process_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                        *, arrival_time: float | None = None, cache_salt: str | None = None,
+                        priority: int = 0) -> ParentRequest:
+        """Tokenize and validate without touching engine state (safe from any thread)."""
         params = copy.copy(params or SamplingParams())
         prompt_text, prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
@@ -121,11 +128,15 @@ class LLMEngine:
                               parent_id=request_id, cache_salt=cache_salt, priority=priority,
                               arrival_time=arrival_time)
             detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)
-            child = ChildState(request, detokenizer)
-            parent.children.append(child)
-            self.children[child_id] = (parent, child)
-        self.parents[request_id] = parent
+            parent.children.append(ChildState(request, detokenizer))
+        return parent
+
+    def enqueue(self, parent: ParentRequest) -> None:
+        if parent.request_id in self.parents:
+            raise ValueError(f"request_id {parent.request_id!r} is already in use")
+        self.parents[parent.request_id] = parent
         for child in parent.children:
+            self.children[child.request.request_id] = (parent, child)
             self.scheduler.add(child.request)
         self._update_gauges()
 

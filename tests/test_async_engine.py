@@ -1,0 +1,102 @@
+"""The engine on its own thread: concurrent streams, aborts, shutdown and failure."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from backend import AsyncLLMEngine, EngineConfig, RequestOutputKind, SamplingParams
+from backend.async_engine import EngineDeadError
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "北京是中国的首都，它有很多名胜古迹，比如",
+           "Once upon a time, in a small village by the sea, there lived an old fisherman who"]
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    engine = AsyncLLMEngine(EngineConfig(model=model_path, dtype="float32", kv_cache_memory_bytes=128 << 20))
+    yield engine
+    engine.shutdown()
+
+
+def wait_idle(engine, timeout=10.0):
+    deadline = time.time() + timeout
+    while engine.num_unfinished_requests() and time.time() < deadline:
+        time.sleep(0.01)
+    kv = engine.engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_concurrent_streams_match_offline(engine, llm):
+    params = SamplingParams(temperature=0, max_tokens=24, output_kind=RequestOutputKind.DELTA)
+    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))]
+
+    async def stream(i, prompt):
+        text, finished = "", 0
+        async for output in engine.generate(prompt, params, f"req-{i}"):
+            text += output.outputs[0].text
+            finished += output.finished
+        assert finished == 1
+        return text
+
+    async def main():
+        return await asyncio.gather(*(stream(i, p) for i, p in enumerate(PROMPTS * 4)))
+
+    texts = asyncio.run(main())
+    assert texts == expected * 4
+    wait_idle(engine)
+
+
+def test_abort_mid_stream_frees_blocks_and_sends_final(engine):
+    outputs, done = [], threading.Event()
+
+    def on_output(output):
+        outputs.append(output)
+        if output.finished:
+            done.set()
+
+    engine.add_request("long", "Tell me a very long story.", SamplingParams(max_tokens=500, ignore_eos=True,
+                       output_kind=RequestOutputKind.DELTA), on_output)
+    while len(outputs) < 3:
+        time.sleep(0.01)
+    engine.abort("long")
+    assert done.wait(5)
+    assert outputs[-1].outputs[0].finish_reason == "abort"
+    assert sum(o.finished for o in outputs) == 1
+    wait_idle(engine)
+
+
+def test_leaving_a_generate_loop_aborts(engine):
+    async def main():
+        async for output in engine.generate("Count to one hundred:", SamplingParams(max_tokens=300, ignore_eos=True,
+                                            output_kind=RequestOutputKind.DELTA), "early"):
+            break
+    asyncio.run(main())
+    wait_idle(engine)
+
+
+def test_validation_errors_raise_in_the_caller(engine):
+    with pytest.raises(ValueError, match="maximum context length"):
+        engine.add_request("too-long", "hi", SamplingParams(max_tokens=10**6), lambda o: None)
+    assert engine.num_unfinished_requests() == 0
+
+
+def test_engine_failure_fails_requests_and_marks_errored(model_path):
+    engine = AsyncLLMEngine(EngineConfig(model=model_path, dtype="float32", kv_cache_memory_bytes=32 << 20))
+    try:
+        def broken(*args, **kwargs):
+            raise RuntimeError("simulated device fault")
+        engine.engine.runner.execute = broken
+        finals = []
+        done = threading.Event()
+        engine.add_request("x", "hello", SamplingParams(max_tokens=4), lambda o: (finals.append(o), done.set()))
+        assert done.wait(10)
+        assert finals[0].finished and "simulated device fault" in finals[0].error
+        assert engine.errored
+        with pytest.raises(EngineDeadError):
+            engine.add_request("y", "hello", SamplingParams(max_tokens=4), lambda o: None)
+    finally:
+        engine.shutdown()
