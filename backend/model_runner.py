@@ -87,7 +87,7 @@ class ModelRunner:
         model.load_weights(iterate_safetensors(model_path))
         self.model = model.to(self.dtype).eval()
         self.num_blocks = self._num_blocks()
-        shape = (2, self.num_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        shape = (2, self.args.num_kv_heads, self.num_blocks, self.block_size, self.args.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.args.num_layers)]
         logger.info("model %s on %s in %s; KV cache %d blocks of %d tokens", model_path,
@@ -142,10 +142,12 @@ class ModelRunner:
                       for r, _ in decodes]
             decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=device)
             lens = torch.tensor(seq_lens, device=device)
-            decode_mask = (torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
-                           < lens.unsqueeze(1)).view(num_decodes, 1, 1, -1)
+            beyond = (torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
+                      >= lens.unsqueeze(1)).view(num_decodes, 1, -1)
+            decode_bias = torch.zeros(beyond.shape, dtype=self.dtype, device=device)
+            decode_bias.masked_fill_(beyond, float("-inf"))
         else:
-            decode_block_tables = decode_mask = torch.empty(0, device=device)
+            decode_block_tables = decode_bias = torch.empty(0, device=device)
         spans = []
         offset = num_decodes
         for request, n in prefills:
@@ -155,7 +157,7 @@ class ModelRunner:
                                      torch.tensor(table, dtype=torch.int64, device=device)))
             offset += n
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=device),
-                                 num_decodes, decode_block_tables, decode_mask, spans)
+                                 num_decodes, decode_block_tables, decode_bias, spans)
 
         hidden = self.model(torch.tensor(input_ids, device=device),
                             torch.tensor(positions, device=device), self.kv_caches, meta)
