@@ -49,6 +49,10 @@ class LLMEngine:
         self.model_name = config.served_model_name or Path(self.model_path).name
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or self.model_path)
         model_limit = hf_config.get("max_position_embeddings", 2048)
+        window = hf_config.get("sliding_window")
+        if window and hf_config.get("use_sliding_window", True):
+            # Attention here is full, so stay where full and sliding-window attention agree.
+            model_limit = min(model_limit, window)
         if config.max_model_len is not None and config.max_model_len > model_limit:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({model_limit})")
@@ -71,6 +75,7 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
         self.parents: dict[str, ParentRequest] = {}
+        self.held_siblings: dict[str, list[ChildState]] = {}  # n > 1: samples not yet queued
         self.children: dict[str, tuple[ParentRequest, ChildState]] = {}
 
     # -- requests ------------------------------------------------------------------------------
@@ -137,14 +142,31 @@ class LLMEngine:
         self.parents[parent.request_id] = parent
         for child in parent.children:
             self.children[child.request.request_id] = (parent, child)
-            self.scheduler.add(child.request)
+        first, *rest = parent.children
+        self.scheduler.add(first.request)
+        if rest and self.config.enable_prefix_caching:
+            # Siblings wait until the first sample has computed the prompt, then find its
+            # blocks in the prefix cache instead of computing the same prompt n times.
+            self.held_siblings[parent.request_id] = rest
+        else:
+            for child in rest:
+                self.scheduler.add(child.request)
         self._update_gauges()
+
+    def _release_siblings(self) -> None:
+        for parent_id, rest in list(self.held_siblings.items()):
+            first = self.parents[parent_id].children[0].request
+            if first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens:
+                for child in reversed(rest):
+                    self.scheduler.add(child.request, front=True)
+                del self.held_siblings[parent_id]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (finish_reason abort)."""
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return None
+        self.held_siblings.pop(request_id, None)
         for child in parent.children:
             request = child.request
             if not request.is_finished:
@@ -177,6 +199,8 @@ class LLMEngine:
         for request, num_new in plan.scheduled:
             request.num_computed_tokens += num_new
             self.kv_cache.cache_full_blocks(request)
+        if self.held_siblings:
+            self._release_siblings()
         result = self.sampler(logits, sampled_requests) if sampled_requests else None
 
         updated: dict[str, set[int]] = {}

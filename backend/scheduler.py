@@ -37,8 +37,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
+    def add(self, request: Request, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -99,7 +102,7 @@ class Scheduler:
         """Remove a finished or aborted request and free its blocks at once."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        elif request in self.waiting:  # not yet queued (held n > 1 siblings) is fine too
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         self.kv_cache.free(request)

@@ -80,18 +80,28 @@ def test_logprobs_match_hf_log_softmax(llm, tokenizer, hf_model):
         assert math.isclose(completion.cumulative_logprob, total, abs_tol=1e-6)
 
 
-@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
-def test_tiny_random_llama_variants_match_hf(tmp_path, rope_scaling):
-    """GQA, untied embeddings and Llama 3 RoPE scaling on a tiny random model built here."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("architecture,rope_scaling", [("llama", None), ("llama", LLAMA3_ROPE), ("qwen2", None)])
+def test_tiny_random_models_match_hf(tmp_path, architecture, rope_scaling):
+    """GQA, untied embeddings, Llama 3 RoPE scaling and Qwen2's QKV biases on tiny random models."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False, rope_scaling=rope_scaling, initializer_range=0.3)
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(tmp_path)
+    shape = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                 tie_word_embeddings=False, initializer_range=0.3)
+    if architecture == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))
+        with torch.no_grad():  # random biases, so a dropped bias would show
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(std=0.5)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape, rope_scaling=rope_scaling))
+    model.eval().save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20)
     prompts = [[(7 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate([5, 40, 130, 17])]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

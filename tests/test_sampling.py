@@ -86,6 +86,16 @@ def test_n_samples_share_prompt_and_differ(llm):
     assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in completions]
 
 
+def test_n_samples_compute_the_prompt_once(llm, tokenizer):
+    prompt = "Some context to share between samples. " * 12  # many full blocks
+    before = {m.name: m.value for m in llm.get_metrics()}
+    llm.generate([prompt], SamplingParams(n=3, temperature=0.8, max_tokens=4, seed=1))
+    after = {m.name: m.value for m in llm.get_metrics()}
+    full_blocks = (len(tokenizer(prompt).input_ids) - 1) // 16
+    hits = after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"]
+    assert hits >= 2 * full_blocks * 16  # the two later samples found the prompt's blocks
+
+
 def test_repetition_penalty_changes_greedy_output(llm):
     prompt = "one two one two one two one two one two"
     plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].token_ids
