@@ -13,6 +13,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -31,6 +32,7 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of identical prefixes"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
     preemption_mode: str = field(default="recompute", metadata={"help": "recompute or swap"})
+    scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs, or priority (lower value first)"})
     swap_space: float = field(default=4.0, metadata={"help": "GiB of CPU swap space for preemption_mode=swap"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel workers"})
     pipeline_parallel_size: int = field(default=1, metadata={"help": "pipeline-parallel stages"})
@@ -55,6 +57,8 @@ class EngineConfig:
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
               f"must be one of {', '.join(PREEMPTION_MODES)}")
+        check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+              f"must be one of {', '.join(SCHEDULING_POLICIES)}")
         check(self.swap_space >= 0, "swap_space", "must not be negative")
         check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
         check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be at least 1")

@@ -63,14 +63,13 @@ class LLMEngine:
         if not config.enable_chunked_prefill and max_batched < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens: {max_batched} is smaller than max_model_len "
                              f"({self.max_model_len}) while chunked prefill is off")
-        if config.preemption_mode != "recompute":
-            raise NotImplementedError("preemption_mode: only 'recompute' is implemented so far")
         self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len)
         self.vocab_size = self.runner.args.vocab_size
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                       config.enable_prefix_caching)
+                                       config.enable_prefix_caching, self.runner.num_swap_blocks)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, max_batched,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.preemption_mode,
+                                   config.scheduling_policy)
         self.sampler = Sampler(config.seed)
         self.metrics = EngineMetrics()
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
@@ -142,6 +141,7 @@ class LLMEngine:
         self.parents[parent.request_id] = parent
         for child in parent.children:
             self.children[child.request.request_id] = (parent, child)
+            self.scheduler.stamp_arrival(child.request)
         first, *rest = parent.children
         self.scheduler.add(first.request)
         if rest and self.config.enable_prefix_caching:
@@ -157,8 +157,8 @@ class LLMEngine:
         for parent_id, rest in list(self.held_siblings.items()):
             first = self.parents[parent_id].children[0].request
             if first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens:
-                for child in reversed(rest):
-                    self.scheduler.add(child.request, front=True)
+                for child in rest:
+                    self.scheduler.add(child.request)
                 del self.held_siblings[parent_id]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -192,6 +192,8 @@ class LLMEngine:
             queried = request.num_prompt_tokens
             self.metrics.registry.inc(self.metrics.prefix_cache_queries, queried)
             self.metrics.registry.inc(self.metrics.prefix_cache_hits, request.num_cached_tokens)
+        if plan.swap_out or plan.swap_in:
+            self.runner.swap_blocks(plan.swap_out, plan.swap_in)
         if not plan.scheduled:
             self._update_gauges()
             return []

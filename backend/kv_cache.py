@@ -25,8 +25,11 @@ class Block:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_swap_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
+        self.num_swap_blocks = num_swap_blocks
+        self.free_swap_blocks = list(range(num_swap_blocks))
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -123,6 +126,27 @@ class KVCacheManager:
                     self.free_blocks.move_to_end(block_id, last=False)
         request.block_table = []
         request.block_hashes = []
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's computed blocks to swap space: returns (device, swap) block pairs to
+        copy, or None when the swap space cannot hold them. The device blocks are freed."""
+        num_blocks = self.blocks_needed(request.num_computed_tokens)
+        if num_blocks > len(self.free_swap_blocks):
+            return None
+        request.swap_blocks = [self.free_swap_blocks.pop() for _ in range(num_blocks)]
+        pairs = list(zip(request.block_table[:num_blocks], request.swap_blocks))
+        self.free(request)
+        return pairs
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """After allocate_slots gave a swapped request device blocks: (swap, device) pairs to copy."""
+        pairs = list(zip(request.swap_blocks, request.block_table))
+        self.free_swap(request)
+        return pairs
+
+    def free_swap(self, request: Request) -> None:
+        self.free_swap_blocks.extend(request.swap_blocks)
+        request.swap_blocks = []
 
     def reset_prefix_cache(self) -> None:
         for block_id in self.free_blocks:

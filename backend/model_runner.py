@@ -90,6 +90,15 @@ class ModelRunner:
         shape = (2, self.args.num_kv_heads, self.num_blocks, self.block_size, self.args.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.args.num_layers)]
+        # Swap space for preemption_mode="swap": host memory (pinned when the cache is on a GPU).
+        self.num_swap_blocks = 0
+        self.swap_caches: list[torch.Tensor] = []
+        if config.preemption_mode == "swap":
+            self.num_swap_blocks = int(config.swap_space * (1 << 30)) // self.block_bytes
+            swap_shape = (2, self.args.num_kv_heads, self.num_swap_blocks, self.block_size, self.args.head_dim)
+            pin = self.device.type == "cuda"
+            self.swap_caches = [torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin)
+                                for _ in range(self.args.num_layers)]
         logger.info("model %s on %s in %s; KV cache %d blocks of %d tokens", model_path,
                     self.device, self.dtype, self.num_blocks, self.block_size)
 
@@ -115,6 +124,20 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory_bytes: {budget} bytes hold no block "
                              f"(one block takes {self.block_bytes} bytes)")
         return int(num_blocks)
+
+    @torch.inference_mode()
+    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy preempted blocks to swap space, then resumed ones back (in that order: a block
+        swapped out may be handed to a resumed request in the same step)."""
+        for pairs, to_swap in ((swap_out, True), (swap_in, False)):
+            if not pairs:
+                continue
+            src = torch.tensor([p[0] for p in pairs])
+            dst = torch.tensor([p[1] for p in pairs])
+            for cache, swap in zip(self.kv_caches, self.swap_caches):
+                source, target = (cache, swap) if to_swap else (swap, cache)
+                blocks = source.index_select(2, src.to(source.device)).to(target.device, non_blocking=True)
+                target.index_copy_(2, dst.to(target.device), blocks)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:

@@ -18,7 +18,8 @@ from backend.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # blocks freed: recomputes from scratch
+    SWAPPED = "swapped"  # blocks in CPU swap space: resumes where it stopped
     FINISHED = "finished"
 
 
@@ -40,7 +41,10 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this request's full, cached blocks
+        self.swap_blocks: list[int] = []
         self.status = RequestStatus.WAITING
+        self.arrival_order: int | None = None  # set by the scheduler; orders the waiting queue
+        self.num_skips = 0  # times a later request was admitted ahead of this one
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0

@@ -2,18 +2,25 @@
 
 Iteration-level continuous batching in vLLM v1's form: every step spends one token budget
 (`max_num_batched_tokens`), running requests first (a decode costs one token, an unfinished prompt
-its next chunk), then waiting requests in arrival order while sequence slots, budget and free blocks
-allow. When blocks run out, the most recently admitted running request is preempted by recompute:
-its blocks are freed and it goes back to the front of the queue. The scheduler never touches tensors.
+its next chunk), then waiting requests in queue order while sequence slots, budget and free blocks
+allow. When blocks run out a victim is preempted (by priority, then recency): by recompute (its
+blocks are freed and it starts over) or by swap (its blocks are copied to CPU swap space and back
+on resume). A waiting request that does not fit may be passed over a bounded number of times so it
+cannot stall smaller requests behind it forever. The scheduler never touches tensors: the plan it
+returns says what to compute and which blocks to copy.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from backend.kv_cache import KVCacheManager
 from backend.request import Request, RequestStatus
+
+# How many times a waiting request that does not fit may be passed over by later ones.
+MAX_HEAD_OF_LINE_SKIPS = 32
 
 
 @dataclass
@@ -21,6 +28,8 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
     newly_admitted: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, swap block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -29,74 +38,104 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool) -> None:
+                 enable_chunked_prefill: bool, preemption_mode: str = "recompute",
+                 scheduling_policy: str = "fcfs") -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: deque[Request] = deque()
+        self.preemption_mode = preemption_mode
+        self.by_priority = scheduling_policy == "priority"
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self._arrivals = itertools.count()
 
-    def add(self, request: Request, front: bool = False) -> None:
-        if front:
-            self.waiting.appendleft(request)
-        else:
-            self.waiting.append(request)
+    def _queue_key(self, request: Request) -> tuple[int, int]:
+        return (request.priority if self.by_priority else 0, request.arrival_order)
+
+    def stamp_arrival(self, request: Request) -> None:
+        if request.arrival_order is None:
+            request.arrival_order = next(self._arrivals)
+
+    def add(self, request: Request) -> None:
+        """Queue a request by (priority, arrival); a preempted one keeps its original place."""
+        self.stamp_arrival(request)
+        bisect.insort(self.waiting, request, key=self._queue_key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        scheduled: dict[Request, int] = {}
         budget = self.max_num_batched_tokens
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget and not self.enable_chunked_prefill:
-                index += 1
                 continue
             num_new = min(num_new, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
+                victim = self._choose_victim()
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                out.scheduled.append((request, num_new))
+                scheduled[request] = num_new
                 budget -= num_new
-                index += 1
-                continue
-            break  # the request preempted itself: nobody after it is left
 
         # Admit waiting requests only in a step that preempted no one: otherwise the victim
         # would be re-admitted at once and preempt again.
-        while (self.waiting and not out.preempted and budget > 0
+        index = 0
+        while (index < len(self.waiting) and not out.preempted and budget > 0
                and len(self.running) < self.max_num_seqs):
-            request = self.waiting[0]
-            cached_blocks = self.kv_cache.find_cached_prefix(request)
-            num_new = request.num_tokens - len(cached_blocks) * self.kv_cache.block_size
-            if num_new > budget and not self.enable_chunked_prefill:
-                break
+            request = self.waiting[index]
+            swapped = request.status == RequestStatus.SWAPPED
+            cached_blocks = [] if swapped else self.kv_cache.find_cached_prefix(request)
+            num_new = (request.num_tokens - request.num_computed_tokens
+                       - len(cached_blocks) * self.kv_cache.block_size)
+            fits_budget = num_new <= budget or self.enable_chunked_prefill
             num_new = min(num_new, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, cached_blocks):
+            if not (fits_budget and self.kv_cache.allocate_slots(request, num_new, cached_blocks)):
+                if request.num_skips < MAX_HEAD_OF_LINE_SKIPS:
+                    request.num_skips += 1
+                    index += 1
+                    continue
                 break
-            self.waiting.popleft()
-            if request.status == RequestStatus.WAITING:
+            del self.waiting[index]
+            if swapped:
+                out.swap_in.extend(self.kv_cache.swap_in(request))
+            elif request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = len(cached_blocks) * self.kv_cache.block_size
                 out.newly_admitted.append(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append((request, num_new))
+            scheduled[request] = num_new
             budget -= num_new
+        out.scheduled = list(scheduled.items())
         return out
 
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+    def _choose_victim(self) -> Request:
+        if not self.by_priority:
+            return self.running[-1]  # the most recently admitted
+        return max(reversed(self.running), key=lambda r: r.priority)  # lowest priority, then latest
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        out.preempted.append(request)
+        swap = self.kv_cache.swap_out(request) if self.preemption_mode == "swap" else None
+        if swap is not None:
+            out.swap_out.extend(swap)
+            request.status = RequestStatus.SWAPPED
+        else:  # recompute (or the swap space is full)
+            self.kv_cache.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+        self.add(request)
 
     def finish(self, request: Request) -> None:
         """Remove a finished or aborted request and free its blocks at once."""
@@ -106,3 +145,4 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         self.kv_cache.free(request)
+        self.kv_cache.free_swap(request)
