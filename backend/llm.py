@@ -15,7 +15,7 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.llm_engine = LLMEngine(EngineConfig.from_dict({"model": model, **kwargs}))
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
