@@ -1,0 +1,318 @@
+"""Triton's face of the engine: request tensors in, engine requests out, engine outputs back as
+responses. It speaks the tensor contract of Triton's vLLM backend, so that backend's clients work.
+
+Threads: Triton calls `execute`, which validates and hands requests to the engine, nothing more.
+The engine steps on its own thread and calls back with each output; one sender thread turns
+outputs into responses, polls for cancellation and owns every FINAL flag, so each request gets
+exactly one on every path (success, error, cancel, unload). A third thread copies the engine's
+metrics to Triton's metrics port (see triton_metrics.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import queue
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+try:
+    from backend import AsyncLLMEngine, EngineConfig, RequestOutput, RequestOutputKind, SamplingParams
+except ImportError as error:  # the stub runs an isolated Python: PYTHONPATH does not count
+    raise ImportError("tritonllm's `backend` package is not importable by Triton's Python stub; "
+                      "install it into the Python that runs tritonserver (pip install -e .)") from error
+
+from triton_metrics import MetricsExporter
+
+FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason",
+               "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
+               "return_num_output_tokens")
+CANCEL_POLL_S = 0.1
+METRICS_POLL_S = 0.5
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+@dataclass
+class Job:
+    """One Triton request on its way through the engine."""
+    request_id: str
+    request: object  # pb_utils.InferenceRequest, kept to poll is_cancelled()
+    sender: object   # its response sender
+    flags: dict[str, bool] = field(default_factory=dict)
+    n: int = 1
+    logprobs_asked: bool = False  # the client set sampling logprobs (else logprobs output is null)
+    finish_reasons: list = field(default_factory=list)  # last known per sample (n > 1 streams)
+    cumulative_logprobs: list = field(default_factory=list)
+    cancelled: bool = False
+    unloading: bool = False
+    done: bool = False
+
+
+def parse_request(request) -> tuple[str | list[int], SamplingParams, dict[str, bool]]:
+    """Read the request's tensors and parameters; raise ValueError naming what is wrong."""
+    # The HTTP generate endpoint carries its "parameters" object here; gRPC clients usually send
+    # the sampling_parameters tensor instead. Flags may come either way; tensors win.
+    try:
+        extra = json.loads(request.parameters() or "{}")
+    except json.JSONDecodeError:
+        extra = {}
+    flags = {}
+    for name in FLAG_INPUTS:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        value = extra.pop(name, None)
+        if tensor is not None:
+            value = tensor.as_numpy().reshape(-1)[0]
+        if isinstance(value, str):
+            value = value.strip().lower() in ("true", "1", "yes")
+        flags[name] = None if value is None else bool(value)
+    stream = bool(flags["stream"])
+    if stream and flags["exclude_input_in_output"] is False:
+        raise ValueError("exclude_input_in_output: false is not allowed when streaming")
+    # Non-streaming responses echo the prompt unless told not to (the vLLM backend's default).
+    flags["prepend_input"] = not stream and not flags["exclude_input_in_output"]
+    flags["stream"] = stream
+
+    text = pb_utils.get_input_tensor_by_name(request, "text_input")
+    input_ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
+    if text is not None:
+        value = text.as_numpy().reshape(-1)[0]
+        prompt = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    elif input_ids is not None:
+        prompt = [int(t) for t in input_ids.as_numpy().reshape(-1)]
+    else:
+        raise ValueError("text_input: required (or input_ids for a token-id prompt)")
+
+    tensor = pb_utils.get_input_tensor_by_name(request, "sampling_parameters")
+    if tensor is not None:
+        raw = tensor.as_numpy().reshape(-1)[0]
+        raw = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+        try:
+            values = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as error:
+            raise ValueError(f"sampling_parameters: not valid JSON ({error})") from None
+    else:
+        values = {k: v for k, v in extra.items() if not k.startswith("triton_")}
+    if not isinstance(values, dict):
+        raise ValueError("sampling_parameters: must be a JSON object")
+    try:
+        params = SamplingParams.from_dict({k: v for k, v in values.items() if v is not None})
+    except TypeError as error:
+        raise ValueError(f"sampling_parameters: {error}") from None
+    params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    return prompt, params, flags
+
+
+def string_tensor(name: str, values: list[str]):
+    return pb_utils.Tensor(name, np.array([v.encode("utf-8") for v in values], dtype=np.object_))
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        self.model_name = args["model_name"]
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise ValueError("the llm model needs `model_transaction_policy { decoupled: true }`")
+        with open(f"{pb_utils.get_model_dir()}/model.json") as file:
+            engine_config = EngineConfig.from_dict(json.load(file))
+        self.engine = AsyncLLMEngine(engine_config)
+        self.jobs: dict[str, Job] = {}
+        self.jobs_lock = threading.Lock()
+        self.outbox: queue.Queue = queue.Queue()
+        self.unload_requested = False
+        self.sender_thread = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
+        self.sender_thread.start()
+
+        self.metrics = None
+        self.stop_metrics = threading.Event()
+        report = model_config.get("parameters", {}).get("REPORT_CUSTOM_METRICS", {})
+        if report.get("string_value", "true").lower() == "true":
+            try:
+                self.metrics = MetricsExporter(self.engine.get_metrics(),
+                                               {"model": self.model_name, "version": args["model_version"]})
+            except pb_utils.TritonModelException as error:  # e.g. tritonserver --allow-metrics=false
+                pb_utils.Logger.log_warn(f"[llm] metrics not exported: {error}")
+        self.metrics_thread = threading.Thread(target=self._metrics_loop, name="llm-metrics", daemon=True)
+        self.metrics_thread.start()
+
+    # -- requests in ---------------------------------------------------------------------------
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            self._submit(request)
+        return None
+
+    def _submit(self, request) -> None:
+        job = Job(uuid.uuid4().hex, request, request.get_response_sender())
+        if self.engine.errored or self.unload_requested:
+            error = pb_utils.TritonError("the engine has failed; the model is unavailable",
+                                         pb_utils.TritonError.UNAVAILABLE)
+            self.outbox.put((job, error))
+            return
+        try:
+            prompt, params, job.flags = parse_request(request)
+            job.n = params.n
+            job.logprobs_asked = params.logprobs is not None
+            if job.flags["return_cumulative_logprob"] and params.logprobs is None:
+                params.logprobs = 0  # the engine sums logprobs only when it computes them
+            job.finish_reasons = [None] * job.n
+            job.cumulative_logprobs = [0.0] * job.n
+            with self.jobs_lock:
+                self.jobs[job.request_id] = job
+            self.engine.add_request(job.request_id, prompt, params,
+                                    lambda output, job=job: self.outbox.put((job, output)))
+        except Exception as error:  # ValueError: the client's mistake; anything else: ours
+            with self.jobs_lock:
+                self.jobs.pop(job.request_id, None)
+            if isinstance(error, ValueError):
+                triton_error = pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
+            else:
+                pb_utils.Logger.log_error(f"[llm] request failed: {traceback.format_exc()}")
+                triton_error = pb_utils.TritonError(f"internal error: {error!r}",
+                                                    pb_utils.TritonError.INTERNAL)
+            self.outbox.put((job, triton_error))
+
+    # -- responses out (the sender thread) -----------------------------------------------------
+    def _send_loop(self) -> None:
+        last_poll = time.monotonic()
+        while True:
+            try:
+                item = self.outbox.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            if item:
+                try:
+                    self._deliver(*item)
+                except Exception:  # one bad response must not stop every other request's
+                    pb_utils.Logger.log_error(f"[llm] sending a response failed: "
+                                              f"{traceback.format_exc()}")
+            if time.monotonic() - last_poll >= CANCEL_POLL_S:
+                last_poll = time.monotonic()
+                self._poll_cancellations()
+
+    def _poll_cancellations(self) -> None:
+        with self.jobs_lock:
+            jobs = [job for job in self.jobs.values() if not job.cancelled]
+        for job in jobs:
+            if job.request.is_cancelled():
+                job.cancelled = True
+                self.engine.abort(job.request_id)  # its final output (finish_reason abort) follows
+
+    def _deliver(self, job: Job, item: RequestOutput | pb_utils.TritonError) -> None:
+        if job.done:
+            return
+        if isinstance(item, pb_utils.TritonError):
+            return self._finish(job, pb_utils.InferenceResponse(error=item))
+        output = item
+        if output.error is not None:
+            self._on_engine_failure(output.error)
+            error = pb_utils.TritonError(f"engine error: {output.error}", pb_utils.TritonError.INTERNAL)
+            return self._finish(job, pb_utils.InferenceResponse(error=error))
+        if job.cancelled or job.unloading:
+            if output.finished:
+                message, code = (("request cancelled", pb_utils.TritonError.CANCELLED) if job.cancelled
+                                 else ("the model is being unloaded", pb_utils.TritonError.UNAVAILABLE))
+                self._finish(job, pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)))
+            return
+        response = self._response(job, output)
+        if output.finished:
+            self._finish(job, response)
+        else:
+            job.sender.send(response)
+
+    def _finish(self, job: Job, response) -> None:
+        job.done = True
+        with self.jobs_lock:
+            self.jobs.pop(job.request_id, None)
+        job.sender.send(response, flags=FINAL)
+        # Triton unloads the model only once every request object is released; a callback the
+        # engine still holds must not keep this one alive.
+        job.request = job.sender = None
+
+    def _response(self, job: Job, output: RequestOutput):
+        """One response: arrays with one element per sample (n), like the vLLM backend's."""
+        texts = [""] * job.n
+        num_output_tokens = [0] * job.n
+        logprobs = ["null"] * job.n
+        for completion in output.outputs:
+            i = completion.index
+            texts[i] = completion.text
+            num_output_tokens[i] = len(completion.token_ids)
+            job.finish_reasons[i] = completion.finish_reason
+            if completion.cumulative_logprob is not None:
+                job.cumulative_logprobs[i] = completion.cumulative_logprob
+            if job.logprobs_asked and completion.logprobs is not None:
+                logprobs[i] = json.dumps([
+                    {token_id: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                     for token_id, lp in position.items()}
+                    for position in completion.logprobs])
+        if job.flags["prepend_input"]:
+            texts = [(output.prompt or "") + text for text in texts]
+        tensors = [string_tensor("text_output", texts)]
+        if job.flags["return_finish_reason"]:
+            # "None" for samples still running, as the vLLM backend sends.
+            tensors.append(string_tensor("finish_reason", [str(r) for r in job.finish_reasons]))
+        if job.flags["return_cumulative_logprob"]:
+            cumulative = np.array(job.cumulative_logprobs, np.float32)
+            tensors.append(pb_utils.Tensor("cumulative_logprob", cumulative))
+        if job.flags["return_logprobs"]:
+            tensors.append(string_tensor("logprobs", logprobs))
+        if job.flags["return_num_input_tokens"]:
+            num_input_tokens = np.array([len(output.prompt_token_ids)], np.uint32)
+            tensors.append(pb_utils.Tensor("num_input_tokens", num_input_tokens))
+        if job.flags["return_num_output_tokens"]:
+            # DELTA outputs carry only new tokens, so this is the count since the previous response.
+            tensors.append(pb_utils.Tensor("num_output_tokens", np.array(num_output_tokens, np.uint32)))
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    # -- health and metrics --------------------------------------------------------------------
+    def _on_engine_failure(self, message: str) -> None:
+        if self.unload_requested:
+            return
+        self.unload_requested = True
+        pb_utils.Logger.log_error(f"[llm] engine failed, unloading the model: {message}")
+        try:
+            pb_utils.unload_model(self.model_name)  # non-blocking; needs --model-control-mode=explicit
+        except Exception as error:
+            pb_utils.Logger.log_error(f"[llm] could not unload the model ({error}); new requests "
+                                      "get UNAVAILABLE errors until the server restarts")
+
+    def _metrics_loop(self) -> None:
+        while not self.stop_metrics.wait(METRICS_POLL_S):
+            if self.metrics is not None:
+                try:
+                    self.metrics.update(self.engine.get_metrics())
+                except Exception:
+                    pb_utils.Logger.log_error(f"[llm] metrics update failed: {traceback.format_exc()}")
+
+    # -- unload --------------------------------------------------------------------------------
+    def finalize(self) -> None:
+        """Abort what is still running (each gets a final UNAVAILABLE error), then stop every thread."""
+        self.unload_requested = True
+        with self.jobs_lock:
+            jobs = list(self.jobs.values())
+        for job in jobs:
+            job.unloading = True
+            self.engine.abort(job.request_id)
+        deadline = time.monotonic() + 10
+        while self.jobs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.engine.shutdown()
+        self.outbox.put(None)
+        self.sender_thread.join()
+        for job in list(self.jobs.values()):  # the engine never answered these: answer for it
+            self._finish(job, pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                "the model is being unloaded", pb_utils.TritonError.UNAVAILABLE)))
+        self.stop_metrics.set()
+        self.metrics_thread.join()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        self.engine = None
+        gc.collect()

@@ -1,0 +1,81 @@
+"""Copy the engine's metrics (vLLM's names) to Triton's metrics port through pb_utils.MetricFamily.
+
+The engine keeps cumulative readings; Triton's metrics only move forward (counters increment,
+histograms observe), so each update applies the difference since the previous reading. Counters
+get Prometheus' `_total` suffix, as vLLM exports them: `vllm:prompt_tokens_total`.
+"""
+
+from __future__ import annotations
+
+import triton_python_backend_utils as pb_utils
+
+def exported_name(metric) -> str:
+    return metric.name + "_total" if metric.kind == "counter" else metric.name
+
+
+class MetricsExporter:
+    def __init__(self, readings: list, labels: dict[str, str]) -> None:
+        # A MetricFamily must outlive its Metrics: both are kept here and dropped in close().
+        self.families = {}
+        self.metrics = {}
+        self.previous = {}
+        # pb_utils gains MetricFamily only once the stub runs, so look the kinds up here.
+        kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
+                 "histogram": pb_utils.MetricFamily.HISTOGRAM}
+        for reading in readings:
+            family = pb_utils.MetricFamily(name=exported_name(reading), description=reading.description,
+                                           kind=kinds[reading.kind])
+            self.families[reading.name] = family
+            if reading.kind == "histogram":
+                self.metrics[reading.name] = family.Metric(labels=labels, buckets=list(reading.buckets))
+            else:
+                self.metrics[reading.name] = family.Metric(labels=labels)
+            self.previous[reading.name] = None
+        self.update(readings)
+
+    def update(self, readings: list) -> None:
+        for reading in readings:
+            metric = self.metrics.get(reading.name)
+            if metric is None:
+                continue
+            before = self.previous[reading.name]
+            if reading.kind == "gauge":
+                metric.set(reading.value)
+            elif reading.kind == "counter":
+                increase = reading.value - (before.value if before else 0.0)
+                if increase > 0:
+                    metric.increment(increase)
+            else:
+                for value in new_observations(before, reading):
+                    metric.observe(value)
+            self.previous[reading.name] = reading
+
+    def close(self) -> None:
+        self.metrics.clear()
+        self.families.clear()
+
+
+def new_observations(before, after) -> list[float]:
+    """Values that, observed, move a histogram from `before` to `after` (None: empty).
+
+    The engine's histogram holds only bucket counts and a sum, so the exact values are gone. Each
+    new observation is placed inside its own bucket, all at the same relative position, chosen so
+    that their sum equals the engine's: bucket counts, count and sum all come out exact.
+    """
+    counts = [c - (before.bucket_counts[i] if before else 0) for i, c in enumerate(after.bucket_counts)]
+    # bucket_counts are cumulative (one per bound, then +Inf); per-bucket counts are differences.
+    per_bucket = [counts[0]] + [counts[i] - counts[i - 1] for i in range(1, len(counts))]
+    bounds = [0.0, *after.buckets]
+    spans = []  # (low, high) per new observation; high None for the +Inf bucket
+    for i, count in enumerate(per_bucket):
+        high = after.buckets[i] if i < len(after.buckets) else None
+        spans += [(bounds[i], high)] * max(count, 0)
+    if not spans:
+        return []
+    total = after.sum - (before.sum if before else 0.0)
+    low_sum = sum(low for low, _ in spans)
+    high_sum = sum(low if high is None else high for low, high in spans)
+    share = 1.0 if high_sum <= low_sum else min(1.0, max(1e-9, (total - low_sum) / (high_sum - low_sum)))
+    unbounded = sum(1 for _, high in spans if high is None)
+    overflow = max(0.0, total - high_sum) / unbounded if unbounded else 0.0
+    return [low + max(overflow, 1e-6) if high is None else low + share * (high - low) for low, high in spans]

@@ -1,0 +1,202 @@
+"""Run a real `tritonserver` on our model repository: find the binary, lay out the Python backend
+with the stub for the running Python, write a runtime copy of the repository with the chosen
+engine arguments, start the process and wait until it is ready, stop it cleanly.
+
+Two installations are supported: the NGC image (`/opt/tritonserver`, whose Python backend already
+matches the image's Python) and the `nvidia-pytriton` wheel, which carries a tritonserver binary,
+the Python backend and one stub per Python version, plus the shared libraries they link against.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+NGC_ROOT = Path("/opt/tritonserver")
+SOURCE_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
+MODEL_NAME = "llm"
+
+
+@dataclass
+class TritonInstall:
+    binary: Path
+    backend_directory: Path | None  # None: the binary's own default (the NGC image)
+    library_path: Path | None       # extra LD_LIBRARY_PATH entry
+
+
+def find_triton(workdir: Path) -> TritonInstall:
+    """The NGC image's tritonserver if present, else the one inside the nvidia-pytriton wheel.
+
+    For the wheel, the Python backend is copied into `workdir/backends/python` together with the
+    stub built for the running Python (the wheel keeps one per version).
+    """
+    if (NGC_ROOT / "bin" / "tritonserver").is_file():
+        return TritonInstall(NGC_ROOT / "bin" / "tritonserver", None, None)
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("no tritonserver found: not in /opt/tritonserver (the NGC image) and "
+                           "the nvidia-pytriton wheel is not installed (pip install nvidia-pytriton)")
+    dist = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise RuntimeError(f"nvidia-pytriton has no Python backend stub for Python {version}")
+    python_backend = workdir / "backends" / "python"
+    if python_backend.exists():
+        shutil.rmtree(python_backend)
+    shutil.copytree(dist / "backends" / "python", python_backend,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(stub, python_backend / "triton_python_backend_stub")
+    return TritonInstall(dist / "bin" / "tritonserver", workdir / "backends",
+                         dist.parent.parent / "nvidia_pytriton.libs")
+
+
+def write_model_repository(target: Path, engine_args: dict, source: Path = SOURCE_REPOSITORY) -> Path:
+    """Copy the model repository to `target` and merge `engine_args` into the LLM's model.json."""
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+    model_json = target / MODEL_NAME / "1" / "model.json"
+    values = json.loads(model_json.read_text())
+    values.update(engine_args)
+    model_json.write_text(json.dumps(values, indent=2) + "\n")
+    return target
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_environment(install: TritonInstall) -> dict[str, str]:
+    """The environment the server and its Python stubs need.
+
+    The stub embeds the Python it was built for and takes its prefix (so its site-packages) from
+    the first `python3` on PATH, so the running interpreter's folder goes first. The stub starts
+    Python isolated (PYTHONPATH is ignored): `backend` must be installed there (`pip install -e .`).
+    """
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    if install.library_path is None:  # the NGC image: its stub matches its Python already
+        return env
+    library_path = [env.get("LD_LIBRARY_PATH", "")]
+    # The wheel's stub links libpython3.X.so.1.0; it must be this Python's, not another 3.X the
+    # system has (a different patch release fails on this Python's extension modules).
+    libdir = sysconfig.get_config_var("LIBDIR")
+    soname = sysconfig.get_config_var("INSTSONAME")
+    if libdir and soname and (Path(libdir) / soname).is_file():
+        library_path.append(libdir)
+    library_path.append(str(install.library_path))
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in library_path if p)
+    return env
+
+
+class TritonServer:
+    """One tritonserver process on a model repository; a context manager that stops it on exit."""
+
+    def __init__(self, model_repository: Path, workdir: Path, *, http_port: int = 8000,
+                 grpc_port: int = 8001, metrics_port: int = 8002, host: str = "127.0.0.1",
+                 extra_args: list[str] = (), log_file: Path | None = None) -> None:
+        self.model_repository = Path(model_repository)
+        self.workdir = Path(workdir)
+        self.host = host
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.extra_args = list(extra_args)
+        self.log_file = log_file
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def command(self, install: TritonInstall) -> list[str]:
+        command = [str(install.binary), f"--model-repository={self.model_repository}",
+                   f"--http-address={self.host}", f"--http-port={self.http_port}",
+                   f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+                   f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}"]
+        if install.backend_directory is not None:
+            command.append(f"--backend-directory={install.backend_directory}")
+        return command + self.extra_args
+
+    def start(self) -> "TritonServer":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        install = find_triton(self.workdir)
+        output = open(self.log_file, "ab") if self.log_file else None
+        # A session of its own, so a Ctrl-C in the terminal reaches us, and we decide how Triton
+        # stops (SIGINT: finish in-flight requests, unload models, exit).
+        self.process = subprocess.Popen(self.command(install), env=server_environment(install),
+                                        stdout=output, stderr=subprocess.STDOUT if output else None,
+                                        start_new_session=True)
+        if output:
+            output.close()
+        return self
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Block until /v2/health/ready answers 200; raise if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited before it was ready{self._log_hint()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s{self._log_hint()}")
+
+    def _log_hint(self) -> str:
+        if not self.log_file or not Path(self.log_file).exists():
+            return ""
+        tail = Path(self.log_file).read_text(errors="replace").splitlines()[-30:]
+        return "; log tail:\n" + "\n".join(tail)
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGINT (graceful), then SIGKILL after `timeout`; return the server's exit code.
+
+        Python stubs that outlive the server (one stuck in a model's finalize, say) share its
+        process group and are killed with it.
+        """
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
