@@ -102,6 +102,7 @@ class LLMEngine:
                         priority: int = 0) -> ParentRequest:
         """Tokenize and validate without touching engine state (safe from any thread)."""
         params = copy.copy(params or SamplingParams())
+        params.validate_for_model(self.vocab_size)
         prompt_text, prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
             raise ValueError("prompt: must not be empty")

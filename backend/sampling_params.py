@@ -55,7 +55,19 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
 
+        integers = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed")
+        for name in integers:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        numbers = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
+        for name in numbers:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise ValueError(f"{name} must be a number, got {value!r}")
         check(self.n >= 1, "n", "must be at least 1")
+        check(self.n <= 128, "n", "must be at most 128")
         check(self.temperature >= 0.0, "temperature", "must be non-negative")
         check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         check(self.top_k >= 0, "top_k", "must be 0 or -1 (disable), or at least 1")
@@ -70,6 +82,18 @@ class SamplingParams:
         check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []),
               "stop_token_ids", "must be non-negative integers")
+        check(self.seed is None or -(1 << 63) <= self.seed < (1 << 64), "seed", "must fit in 64 bits")
+        check(all(isinstance(s, str) for s in self.stop or []), "stop", "must be strings")
+
+    def validate_for_model(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids must exist in its vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids or []),
+                          ("logit_bias", list(self.logit_bias or {}))):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        if self.top_k > vocab_size:
+            self.top_k = 0  # keeping more tokens than exist keeps them all
 
     @property
     def greedy(self) -> bool:
@@ -95,5 +119,9 @@ class SamplingParams:
             elif isinstance(value, str) and name == "stop_token_ids":
                 cast[name] = [int(v) for v in value.strip("[]").split(",") if v.strip()]
             else:
-                cast[name] = cast_value(name, type_name, value)
+                value = cast_value(name, type_name, value)
+                if type_name.startswith("int") and isinstance(value, float) and value.is_integer() \
+                        and abs(value) < 2 ** 63:
+                    value = int(value)  # JSON writers may send 16.0 for 16
+                cast[name] = value
         return cls(**cast)

@@ -135,7 +135,9 @@ def test_top_k_top_p_mask():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(max_tokens=0), dict(top_p=0.0),
-                                 dict(n=0), dict(logprobs=21), dict(min_tokens=5, max_tokens=2)])
+                                 dict(n=0), dict(logprobs=21), dict(min_tokens=5, max_tokens=2),
+                                 dict(top_k=1e30), dict(seed=1 << 70), dict(temperature="hot"),
+                                 dict(max_tokens=2.5), dict(temperature=float("nan"))])
 def test_invalid_sampling_params_name_the_field(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
@@ -147,3 +149,11 @@ def test_sampling_params_from_json_casts_strings():
     assert (params.temperature, params.max_tokens, params.ignore_eos, params.stop) == (0.5, 7, True, ["x"])
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         SamplingParams.from_dict({"temprature": 1})
+
+
+def test_token_ids_outside_the_vocabulary_are_rejected_not_fatal(llm):
+    for bad in (dict(stop_token_ids=[10**6], min_tokens=2), dict(logit_bias={10**6: 5.0})):
+        with pytest.raises(ValueError, match="token ids must be in"):
+            llm.generate(["Hello"], SamplingParams(max_tokens=4, **bad))
+    huge_top_k = llm.generate(["Hello"], SamplingParams(max_tokens=4, top_k=10**7, seed=3))
+    assert len(huge_top_k[0].outputs[0].token_ids) >= 1
