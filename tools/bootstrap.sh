@@ -22,3 +22,4 @@ fi
 export PATH="$venv/bin:$PATH"  # Triton's Python stub runs the first python3 on PATH
 export VIRTUAL_ENV="$venv"
 "$venv/bin/python" -m tools.prepare_model >&2
+"$venv/bin/python" -m tools.prepare_embeddings >&2

@@ -128,6 +128,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"tritonllm serve: {error}", file=sys.stderr)
         return 2
+    from tools.prepare_embeddings import prepare_embeddings
+    prepare_embeddings()  # the `embeddings` model's weights, fetched once like the LLM's
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tritonllm-"))
     repository = write_model_repository(workdir / "model_repository", engine_args)
     log_file = workdir / "tritonserver.log"

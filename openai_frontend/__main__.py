@@ -1,0 +1,5 @@
+import sys
+
+from openai_frontend.main import main
+
+sys.exit(main())

@@ -1,0 +1,165 @@
+"""The FastAPI app: settings, the shared state every router reads, the edge checks (body size, API
+key) and the mapping of every failure to OpenAI's error envelope."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+
+from openai_frontend.errors import OpenAIError, invalid, model_not_found, validation_error
+from openai_frontend.metrics import FrontendMetrics, MetricsMiddleware
+from openai_frontend.prompts import PromptBuilder
+from openai_frontend.routers import chat, completions, embeddings, models, system
+from openai_frontend.triton import TritonClient
+
+EMBEDDINGS_MODEL_NAME = "all-MiniLM-L6-v2"
+
+
+@dataclass
+class Settings:
+    """The frontend's knobs; the CLI flags carry the same names. `model`, `tokenizer`,
+    `served_model_name` and `max_model_len` mean what they mean in EngineConfig."""
+    grpc_url: str = "127.0.0.1:8001"
+    host: str = "127.0.0.1"
+    port: int = 9000
+    api_key: str | None = None
+    model: str | None = None  # HF folder: tokenizer, chat template, context length; default: the prepared SmolLM2
+    tokenizer: str | None = None
+    served_model_name: str | None = None  # default: the model folder's name
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_body_bytes: int = 1 << 20
+    embeddings_model_name: str = EMBEDDINGS_MODEL_NAME
+
+    def resolved(self) -> "Settings":
+        model = self.model
+        if model is None:
+            from tools.prepare_model import default_model_dir, is_prepared
+            if not is_prepared(default_model_dir()):
+                raise ValueError("model: no --model given and the default model is not prepared "
+                                 "(run `tritonllm prepare-model`)")
+            model = str(default_model_dir())
+        model = str(Path(model).expanduser())
+        return Settings(**{**self.__dict__, "model": model,
+                           "served_model_name": self.served_model_name or Path(model).name})
+
+
+class Frontend:
+    """What the routers share: settings, prompt building, the Triton client and the metrics."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.prompts = PromptBuilder(settings.model, settings.tokenizer, settings.max_model_len)
+        self.metrics = FrontendMetrics()
+        self.started = int(time.time())
+        self.triton: TritonClient | None = None  # made inside the event loop (lifespan)
+
+    def check_llm_model(self, name: str) -> None:
+        if name == self.settings.served_model_name:
+            return
+        if name == self.settings.embeddings_model_name:
+            raise invalid("model", f"model: `{name}` is an embeddings model; use /v1/embeddings")
+        raise model_not_found(name)
+
+    def check_embeddings_model(self, name: str) -> None:
+        if name == self.settings.embeddings_model_name:
+            return
+        if name == self.settings.served_model_name:
+            raise invalid("model", f"model: `{name}` is not an embeddings model; "
+                                   f"use `{self.settings.embeddings_model_name}`")
+        raise model_not_found(name)
+
+
+async def send_error(send, error: OpenAIError) -> None:
+    body = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class EdgeMiddleware:
+    """ASGI middleware: 401 for /v1/ calls without the API key when one is set; 413 for bodies over
+    max_body_bytes, declared or not (the body is read here, up to the limit, then handed on)."""
+
+    def __init__(self, app, max_body_bytes: int, api_key: str | None) -> None:
+        self.app, self.max_body_bytes, self.api_key = app, max_body_bytes, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        too_large = OpenAIError(413, f"The request body exceeds {self.max_body_bytes} bytes.", None,
+                                "request_too_large")
+        declared = headers.get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await send_error(send, too_large)
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            token = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(token.encode(), f"Bearer {self.api_key}".encode()):
+                return await send_error(send, OpenAIError(
+                    401, "Incorrect or missing API key; send it as `Authorization: Bearer <key>`.",
+                    None, "invalid_api_key"))
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return await send_error(send, too_large)
+            if not message.get("more_body"):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay_body():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # what follows the body: the disconnect, if it comes
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay_body, send)
+
+
+def build_app(settings: Settings) -> FastAPI:
+    settings = settings.resolved()
+    frontend = Frontend(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        frontend.triton = TritonClient(settings.grpc_url)
+        yield
+        await frontend.triton.close()
+
+    app = FastAPI(title="tritonllm OpenAI-compatible API", version=system.package_version(), lifespan=lifespan)
+    app.state.frontend = frontend
+    for router in (models, completions, chat, embeddings, system):
+        app.include_router(router.router)
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(_, error: OpenAIError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_, error: RequestValidationError):
+        return validation_error(error).response()
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(_, error: HTTPException):
+        return OpenAIError(error.status_code, str(error.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected_error(_, error: Exception):
+        return OpenAIError(500, f"internal error: {type(error).__name__}: {error}").response()
+
+    app.add_middleware(EdgeMiddleware, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key)
+    app.add_middleware(MetricsMiddleware, metrics=frontend.metrics)
+    return app

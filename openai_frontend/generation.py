@@ -1,0 +1,190 @@
+"""What completions and chat share: OpenAI fields -> the engine's sampling parameters, running one
+Triton request per prompt, gathering samples into choices, SSE framing, and cancelling the work
+when the HTTP client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from backend.sampling_params import SamplingParams
+from openai_frontend.errors import OpenAIError, invalid
+from openai_frontend.schemas import SamplingRequest, Usage
+from openai_frontend.triton import Chunk, SampleDelta, TokenLogprob, TritonClient
+
+PASSED_THROUGH = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop",
+                  "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+                  "include_stop_str_in_output", "skip_special_tokens")
+
+
+def sampling_parameters(request: SamplingRequest, *, max_tokens: int, logprobs: int | None,
+                        vocab_size: int) -> dict:
+    """The `sampling_parameters` JSON for Triton, validated by the engine's own rules so that a bad
+    value is a 400 naming it here, not an error deep in Triton."""
+    values = {name: getattr(request, name) for name in PASSED_THROUGH if getattr(request, name) is not None}
+    values["max_tokens"] = max_tokens
+    if logprobs is not None:
+        values["logprobs"] = logprobs
+    if any(token_id >= vocab_size for token_id in request.stop_token_ids or ()):
+        raise invalid("stop_token_ids", f"stop_token_ids: token ids must be in [0, {vocab_size})")
+    if request.logit_bias:
+        values["logit_bias"] = {}
+        for key, bias in request.logit_bias.items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+                raise invalid("logit_bias", f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r}")
+            values["logit_bias"][int(key)] = bias
+    try:
+        SamplingParams.from_dict(values)
+    except ValueError as error:  # "top_p must be in (0, 1], got 2.0"
+        name = str(error).split(" ")[0].rstrip(":")
+        raise invalid(name if name in values else None, str(error)) from None
+    return values
+
+
+def check_stream_options(request: SamplingRequest) -> bool:
+    """Whether a final usage chunk is wanted; stream_options only make sense with stream."""
+    if request.stream_options is not None and not request.stream:
+        raise invalid("stream_options", "stream_options: only allowed when stream is true")
+    return bool(request.stream and request.stream_options and request.stream_options.include_usage)
+
+
+@dataclass
+class Choice:
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+
+
+class Choices:
+    """Per-choice state of one HTTP request: choice index = prompt index * n + sample index."""
+
+    def __init__(self, num_prompts: int, n: int) -> None:
+        self.n = n
+        self.choices = [Choice() for _ in range(num_prompts * n)]
+        self.prompt_tokens = [0] * num_prompts
+
+    def update(self, prompt_index: int, chunk: Chunk) -> list[tuple[int, SampleDelta]]:
+        """Fold one Triton response in; return the deltas worth sending, by choice index."""
+        self.prompt_tokens[prompt_index] = chunk.prompt_tokens
+        news = []
+        for sample in chunk.samples:
+            index = prompt_index * self.n + sample.index
+            choice = self.choices[index]
+            if choice.finish_reason is not None:
+                continue  # responses keep repeating a finished sample's reason
+            choice.text += sample.text
+            choice.num_tokens += sample.num_tokens
+            choice.logprobs.extend(sample.logprobs or [])
+            choice.finish_reason = sample.finish_reason
+            if sample.text or sample.logprobs or sample.finish_reason:
+                news.append((index, sample))
+        return news
+
+    def usage(self) -> Usage:
+        prompt = sum(self.prompt_tokens)
+        completion = sum(choice.num_tokens for choice in self.choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def merge(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """Interleave several generations as (prompt index, chunk); the first failure ends them all.
+    Leaving early cancels every generation still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(index: int, stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put((index, chunk))
+            await queue.put((index, end))
+        except Exception as error:
+            await queue.put((index, error))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is end:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def start(triton: TritonClient, prompts: list[list[int]], parameters: list[dict], *, stream: bool,
+                prompt_param: str) -> tuple[tuple[int, Chunk], AsyncIterator[tuple[int, Chunk]]]:
+    """Send every prompt (with its sampling parameters) and wait for the first response, so that a
+    request Triton rejects still gets its HTTP status (not a 200 stream carrying an error)."""
+    merged = merge([triton.generate(ids, params, stream=stream, prompt_param=prompt_param)
+                    for ids, params in zip(prompts, parameters)])
+    try:
+        first = await merged.__anext__()
+    except BaseException:
+        await merged.aclose()
+        raise
+    return first, merged
+
+
+async def replay(first, rest: AsyncIterator):
+    yield first
+    async for item in rest:
+        yield item
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def sse_stream(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Frame events as SSE; a failure mid-way becomes an error event; `[DONE]` always comes last."""
+    try:
+        async for event in events:
+            yield sse(event)
+    except OpenAIError as error:
+        yield sse(error.body())
+    except Exception as error:  # never cut a stream without telling the client why
+        yield sse(OpenAIError(500, f"internal error: {error}").body())
+    finally:
+        await events.aclose()
+    yield "data: [DONE]\n\n"
+
+
+async def unless_disconnected(request: Request, work: Awaitable):
+    """Run a non-streaming request's work, cancelling it (and so its Triton requests) if the client
+    disconnects first. Returns None when the client is gone."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
+def logprob_value(value: float) -> float:
+    return max(value, -9999.0)  # -inf is not JSON

@@ -1,0 +1,54 @@
+"""`python -m openai_frontend`: serve the OpenAI API against a running Triton.
+
+    python -m openai_frontend --grpc-url 127.0.0.1:8001 --port 9000 --model /path/to/hf-folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from openai_frontend.app import Settings, build_app
+
+HELP = {
+    "grpc_url": "Triton's gRPC address (host:port)",
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "api_key": "require `Authorization: Bearer <key>` on /v1/ endpoints",
+    "model": "HF model folder: tokenizer, chat template, context length (default: the prepared SmolLM2)",
+    "tokenizer": "tokenizer folder, if not the model's",
+    "served_model_name": "the LLM's id for clients (default: the model folder's name)",
+    "max_model_len": "the engine's context length, if set below the model's",
+    "max_body_bytes": "largest request body accepted (413 above)",
+    "embeddings_model_name": "the embeddings model's id for clients",
+}
+
+
+def parse_settings(argv: list[str] | None = None) -> tuple[Settings, str]:
+    parser = argparse.ArgumentParser(prog="openai_frontend", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in fields(Settings):
+        kind = int if f.type.startswith("int") else str
+        help_text = HELP[f.name] if "default" in HELP[f.name] else f"{HELP[f.name]} (default: {f.default})"
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=help_text)
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    args = parser.parse_args(argv)
+    return Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)}), args.log_level
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    settings, log_level = parse_settings(argv)
+    try:
+        app = build_app(settings)
+    except ValueError as error:
+        print(f"openai_frontend: {error}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

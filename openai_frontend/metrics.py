@@ -1,0 +1,53 @@
+"""The frontend's own Prometheus metrics (Triton exports the engine's on its metrics port): requests
+by endpoint and status, their latency to the last byte (streams included), and those in flight."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class FrontendMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("tritonllm_frontend_requests", "HTTP requests answered.",
+                                ("endpoint", "status"), registry=self.registry)
+        self.latency = Histogram("tritonllm_frontend_request_duration_seconds",
+                                 "Time from request to the response's last byte.", ("endpoint",),
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.in_flight = Gauge("tritonllm_frontend_requests_in_flight", "HTTP requests being answered.",
+                               registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """ASGI middleware: counts every request under its route's path template."""
+
+    def __init__(self, app, metrics: FrontendMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), 500
+
+        async def send_and_record(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            route = scope.get("route")
+            label = getattr(route, "path", None) or "unmatched"
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(label, str(status)).inc()
+            self.metrics.latency.labels(label).observe(time.perf_counter() - start)

@@ -1,0 +1,103 @@
+"""POST /v1/chat/completions: messages -> the model's chat template -> one Triton request, n samples."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from openai_frontend.errors import invalid
+from openai_frontend.generation import (Choices, check_stream_options, logprob_value, replay, sampling_parameters,
+                                        sse_stream, start, unless_disconnected)
+from openai_frontend.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                     ChatLogprobs, ChatMessage, ErrorResponse, TokenLogprob, TopLogprob)
+from openai_frontend.triton import TokenLogprob as SampledLogprob
+
+router = APIRouter()
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template reads them: content flattened to one string."""
+    rendered = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise invalid(f"messages[{i}].content[{j}]",
+                                  f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}")
+            content = "\n".join(part.text for part in content)
+        rendered.append({"role": message.role, "content": content or ""})
+    return rendered
+
+
+def chat_logprobs(entries: list[list[SampledLogprob]], top_logprobs: int) -> ChatLogprobs:
+    def item(entry: SampledLogprob) -> dict:
+        return {"token": entry.token, "logprob": logprob_value(entry.logprob),
+                "bytes": list(entry.token.encode("utf-8"))}
+
+    content = []
+    for position in entries:
+        # The engine sends the sampled token first, then the top-N by rank (it may be among them).
+        top = sorted((e for e in position if e.rank is not None and e.rank <= top_logprobs), key=lambda e: e.rank)
+        unique = {e.token_id: e for e in top}.values()
+        content.append(TokenLogprob(**item(position[0]), top_logprobs=[TopLogprob(**item(e)) for e in unique]))
+    return ChatLogprobs(content=content)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+             responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}})
+async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
+    frontend = raw_request.app.state.frontend
+    frontend.check_llm_model(body.model)
+    include_usage = check_stream_options(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs", "top_logprobs: needs logprobs set to true")
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    _, prompt_ids = frontend.prompts.render_chat(template_messages(body.messages), body.add_generation_prompt,
+                                              body.continue_final_message)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = frontend.prompts.max_tokens_for(len(prompt_ids), requested, "messages")
+    parameters = sampling_parameters(body, max_tokens=max_tokens, logprobs=top_logprobs,
+                                     vocab_size=frontend.prompts.vocab_size)
+    response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    choices = Choices(1, body.n)
+
+    def chunk(choice: dict) -> dict:
+        return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                "choices": [choice]}
+
+    if body.stream:
+        first, rest = await start(frontend.triton, [prompt_ids], [parameters], stream=True, prompt_param="messages")
+
+        async def events():
+            for index in range(body.n):
+                yield chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})
+            async for prompt_index, response in replay(first, rest):
+                for index, delta in choices.update(prompt_index, response):
+                    logprobs = None
+                    if top_logprobs is not None:
+                        logprobs = chat_logprobs(delta.logprobs or [], top_logprobs).model_dump()
+                    yield chunk({"index": index, "delta": {"content": delta.text} if delta.text else {},
+                                 "logprobs": logprobs, "finish_reason": delta.finish_reason})
+            if include_usage:
+                yield {"id": response_id, "object": "chat.completion.chunk", "created": created,
+                       "model": body.model, "choices": [], "usage": choices.usage().model_dump()}
+
+        return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
+
+    async def collect():
+        first, rest = await start(frontend.triton, [prompt_ids], [parameters], stream=False, prompt_param="messages")
+        async for prompt_index, response in replay(first, rest):
+            choices.update(prompt_index, response)
+
+    await unless_disconnected(raw_request, collect())
+    return ChatCompletionResponse(
+        id=response_id, created=created, model=body.model, usage=choices.usage(),
+        choices=[ChatChoice(
+            index=index, message=AssistantMessage(content=choice.text), finish_reason=choice.finish_reason,
+            logprobs=chat_logprobs(choice.logprobs, top_logprobs) if top_logprobs is not None else None)
+            for index, choice in enumerate(choices.choices)])

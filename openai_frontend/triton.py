@@ -1,0 +1,170 @@
+"""The frontend's only door to Triton: one gRPC stream per generation request to the `llm` model
+(the vLLM backend's tensor contract), one unary call per batch of texts to `embeddings`.
+
+A generation is an async iterator of `Chunk`s; closing it early (the HTTP client left) cancels the
+gRPC call, which Triton turns into a cancelled request and the engine into freed KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.utils import InferenceServerException
+
+from openai_frontend.errors import OpenAIError, from_grpc_error, from_triton_message
+
+LLM_MODEL = "llm"
+EMBEDDINGS_MODEL = "embeddings"
+EMBEDDINGS_MAX_BATCH = 64  # the embeddings model's max_batch_size
+RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    rank: int | None
+
+
+@dataclass
+class SampleDelta:
+    """What one sample (of n) gained in one response."""
+    index: int
+    text: str
+    num_tokens: int
+    finish_reason: str | None
+    # One entry per new token: the sampled token first, then the top alternatives.
+    logprobs: list[list[TokenLogprob]] | None
+
+
+@dataclass
+class Chunk:
+    prompt_tokens: int
+    samples: list[SampleDelta]
+
+
+def _tensor(name: str, value: np.ndarray, datatype: str) -> InferInput:
+    tensor = InferInput(name, list(value.shape), datatype)
+    tensor.set_data_from_numpy(value)
+    return tensor
+
+
+def _bool(name: str, value: bool) -> InferInput:
+    return _tensor(name, np.array([value], dtype=bool), "BOOL")
+
+
+def _parse_logprobs(raw: bytes) -> list[list[TokenLogprob]] | None:
+    positions = json.loads(raw)
+    if positions is None:
+        return None
+    return [[TokenLogprob(int(token_id), entry.get("decoded_token") or "", entry["logprob"], entry.get("rank"))
+             for token_id, entry in position.items()] for position in positions]
+
+
+def _chunk(result, want_logprobs: bool) -> Chunk:
+    texts = result.as_numpy("text_output")
+    finish_reasons = result.as_numpy("finish_reason")
+    counts = result.as_numpy("num_output_tokens")
+    logprobs = result.as_numpy("logprobs") if want_logprobs else None
+    samples = []
+    for i, text in enumerate(texts):
+        reason = finish_reasons[i].decode() if finish_reasons is not None else "None"
+        samples.append(SampleDelta(
+            index=i, text=text.decode("utf-8"), num_tokens=int(counts[i]) if counts is not None else 0,
+            finish_reason=None if reason == "None" else reason,
+            logprobs=_parse_logprobs(logprobs[i]) if logprobs is not None else None))
+    prompt_tokens = result.as_numpy("num_input_tokens")
+    return Chunk(int(prompt_tokens[0]) if prompt_tokens is not None else 0, samples)
+
+
+class TritonClient:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client = grpcclient.InferenceServerClient(url)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def model_ready(self, model: str) -> bool:
+        """False when the model is not loaded; raises OpenAIError(503) when Triton is unreachable."""
+        try:
+            return await self.client.is_model_ready(model, client_timeout=5)
+        except InferenceServerException as error:
+            if "unavailable" in str(error.status() or "").lower() or "failed to connect" in str(error).lower():
+                raise OpenAIError(503, f"Triton at {self.url} is unreachable: {error.message()}",
+                                  None, "service_unavailable") from None
+            return False
+
+    async def generate(self, prompt_token_ids: list[int], sampling_parameters: dict, *, stream: bool,
+                       prompt_param: str = "prompt") -> AsyncIterator[Chunk]:
+        """Run one request on the llm model; yield a Chunk per response (one when not streaming).
+
+        Raises OpenAIError for a failed request. Leaving the iteration early cancels the request.
+        """
+        want_logprobs = sampling_parameters.get("logprobs") is not None
+        inputs = [_tensor("input_ids", np.array(prompt_token_ids, dtype=np.int32), "INT32"),
+                  _tensor("sampling_parameters", np.array([json.dumps(sampling_parameters).encode()],
+                                                           dtype=np.object_), "BYTES"),
+                  _bool("stream", stream), _bool("exclude_input_in_output", True),
+                  _bool("return_logprobs", want_logprobs)]
+        inputs += [_bool(flag, True) for flag in RETURN_FLAGS]
+        request = {"model_name": LLM_MODEL, "inputs": inputs, "request_id": uuid.uuid4().hex,
+                   # Mark the last response of the request so we know when to stop reading.
+                   "parameters": {"enable_empty_final_response": True}}
+
+        async def requests():
+            yield request
+
+        responses = self.client.stream_infer(requests())
+        completed = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    completed = True
+                    raise from_triton_message(error.message(), prompt_param)
+                response = result.get_response()
+                final = response.parameters["triton_final_response"].bool_param
+                if response.outputs:  # the empty final response carries nothing
+                    yield _chunk(result, want_logprobs)
+                if final:
+                    completed = True
+                    return
+            completed = True
+            raise OpenAIError(503, "Triton closed the stream before the request finished", None,
+                              "service_unavailable")
+        except grpc.RpcError as error:
+            completed = True
+            raise from_grpc_error(error) from None
+        finally:
+            if not completed:  # the caller went away (client disconnect, cancellation)
+                responses.cancel()
+
+    async def embed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Embeddings (float32 [len(texts), dim]) and token counts, in batches the model accepts."""
+        batches = [texts[i:i + EMBEDDINGS_MAX_BATCH] for i in range(0, len(texts), EMBEDDINGS_MAX_BATCH)]
+        results = await asyncio.gather(*(self._embed_batch(batch) for batch in batches))
+        return (np.concatenate([vectors for vectors, _ in results]),
+                np.concatenate([counts for _, counts in results]))
+
+    async def _embed_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        values = np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
+        outputs = [InferRequestedOutput("embedding"), InferRequestedOutput("num_tokens")]
+        try:
+            result = await self.client.infer(EMBEDDINGS_MODEL, [_tensor("text", values, "BYTES")],
+                                             outputs=outputs)
+        except InferenceServerException as error:
+            status = str(error.status() or "")
+            if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status or "RESOURCE_EXHAUSTED" in status:
+                raise OpenAIError(503, f"Triton is unreachable or overloaded: {error.message()}",
+                                  None, "service_unavailable") from None
+            raise from_triton_message(error.message(), "input") from None
+        return result.as_numpy("embedding"), result.as_numpy("num_tokens").reshape(-1)
