@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         serve.set_defaults(serve_missing=True)
     add_engine_arguments(serve)
 
-    bench = commands.add_parser("bench-offline", help="offline throughput against HF transformers")
-    from tools.bench_offline import add_arguments as add_bench_arguments
+    bench = commands.add_parser("bench", help="throughput and latency against the baselines, in one run",
+                                description=__import__("tools.bench").bench.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from tools.bench import add_arguments as add_bench_arguments
     add_bench_arguments(bench)
 
     args = parser.parse_args(argv)
@@ -63,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from tools.serve import run_serve
         return run_serve(args)
-    if args.command == "bench-offline":
-        from tools.bench_offline import run
+    if args.command == "bench":
+        from tools.bench import run
         return run(args)
     return 2
 

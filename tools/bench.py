@@ -1,0 +1,528 @@
+"""`tritonllm bench`: one command that measures tritonllm and its baselines on the same workload.
+
+Modes (any subset, in one run, same prompts):
+  offline        LLM.generate with every request at once
+  triton         Triton gRPC streaming (tritonclient.grpc.aio), at each --concurrency / --request-rate
+  openai         the OpenAI frontend's /v1/completions with SSE streaming, likewise
+  hf-sequential  Hugging Face `generate`, one prompt at a time (a subset: its rate does not depend on it)
+  hf-batch       Hugging Face `generate` on all prompts padded into one batch
+  vllm-offline   vLLM's LLM.generate, run by the Python given with --vllm-python (its own venv)
+  vllm-serve     `vllm serve` (that Python's OpenAI server), driven by the same client as `openai`
+
+Reports request and token throughput, TTFT / TPOT / inter-token / end-to-end latency p50-p90-p99,
+peak KV usage and preemptions, prints ratios against tritonllm's offline figure, and writes JSON
+(--json) and a PNG (--plot) of throughput and latency against concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tools.bench_workloads import WORKLOADS, Workload, make_workload, percentile
+
+SERVER_MODES = ("triton", "openai", "vllm-serve")
+MODES = ("offline", "triton", "openai", "hf-sequential", "hf-batch", "vllm-offline", "vllm-serve")
+
+
+@dataclass
+class RequestRecord:
+    input_tokens: int
+    output_tokens: int = 0
+    ttft: float | None = None
+    e2e: float | None = None
+    itls: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def summarize(records: list[RequestRecord], elapsed: float) -> dict:
+    ok = [r for r in records if r.error is None]
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok
+             if r.ttft is not None and r.e2e is not None and r.output_tokens > 1]
+    series = {"ttft": [r.ttft for r in ok if r.ttft is not None], "tpot": tpots,
+              "itl": [gap for r in ok for gap in r.itls], "e2e": [r.e2e for r in ok if r.e2e is not None]}
+    summary = {"requests": len(records), "failed": len(records) - len(ok), "seconds": elapsed,
+               "request_throughput": len(ok) / elapsed,
+               "input_tokens_per_s": sum(r.input_tokens for r in ok) / elapsed,
+               "output_tokens_per_s": sum(r.output_tokens for r in ok) / elapsed}
+    for name, values in series.items():
+        for q in (50, 90, 99):
+            value = percentile(values, q)
+            summary[f"{name}_p{q}_ms"] = None if value is None else value * 1000
+    return summary
+
+
+# -- tritonllm offline ---------------------------------------------------------------------------
+def run_offline(args, workload: Workload) -> dict:
+    from backend import LLM, SamplingParams
+    from backend.sampling_params import RequestOutputKind
+
+    start = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, **json.loads(args.engine_args))
+    startup = time.perf_counter() - start
+    engine = llm.llm_engine
+    llm.generate(workload.prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    preemptions_before = {m.name: m.value for m in llm.get_metrics()}["vllm:num_preemptions"]
+    records = {}
+    start = time.perf_counter()
+    for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True,
+                                                          output_kind=RequestOutputKind.FINAL_ONLY))
+    peak_kv = 0.0
+    bar = progress(len(workload.prompts), "offline")
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            m = output.metrics
+            records[output.request_id] = RequestRecord(len(output.prompt_token_ids), len(output.outputs[0].token_ids),
+                                                       m.first_token_time - m.arrival_time,
+                                                       m.finished_time - m.arrival_time)
+            bar.update(1)
+        peak_kv = max(peak_kv, engine.kv_cache.usage)
+    elapsed = time.perf_counter() - start
+    bar.close()
+    preemptions = {m.name: m.value for m in llm.get_metrics()}["vllm:num_preemptions"] - preemptions_before
+    return {**summarize(list(records.values()), elapsed), "startup_s": startup,
+            "dtype": str(engine.runner.dtype).removeprefix("torch."), "peak_kv_usage": peak_kv,
+            "preemptions": preemptions}
+
+
+# -- Hugging Face baselines ----------------------------------------------------------------------
+def _hf_model(args):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from backend.config import EngineConfig
+    from backend.model_runner import resolve_device, resolve_dtype
+
+    config = EngineConfig(model=args.model, dtype=args.dtype)
+    dtype = resolve_dtype(config, resolve_device(config))
+    return AutoModelForCausalLM.from_pretrained(config.resolved_model(), dtype=dtype).eval(), torch
+
+
+def run_hf_sequential(args, workload: Workload) -> dict:
+    model, torch = _hf_model(args)
+    subset = list(zip(workload.prompts, workload.output_lens))[:args.hf_sequential_prompts]
+    records = []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for prompt, out_len in subset:
+            began = time.perf_counter()
+            model.generate(torch.tensor([prompt]), max_new_tokens=out_len, min_new_tokens=out_len,
+                           do_sample=False, pad_token_id=0)
+            records.append(RequestRecord(len(prompt), out_len, e2e=time.perf_counter() - began))
+    return summarize(records, time.perf_counter() - start)
+
+
+def run_hf_batch(args, workload: Workload) -> dict:
+    model, torch = _hf_model(args)
+    prompts, out_len = workload.prompts, max(workload.output_lens)
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
+                       do_sample=False, pad_token_id=0)
+    elapsed = time.perf_counter() - start
+    return summarize([RequestRecord(len(p), out_len, e2e=elapsed) for p in prompts], elapsed)
+
+
+# -- vLLM, in its own Python -------------------------------------------------------------------
+VLLM_OFFLINE_SCRIPT = r"""
+import json, sys, time
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    spec = json.load(open(sys.argv[1]))
+    start = time.perf_counter()
+    llm = LLM(spec["model"], dtype=spec["dtype"], seed=0)
+    startup = time.perf_counter() - start
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in spec["output_lens"]]
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    json.dump({"seconds": elapsed, "startup_s": startup,
+               "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}, open(sys.argv[2], "w"))
+"""
+
+
+def vllm_environment(args) -> dict:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
+    if args.vllm_bind_all_cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{os.cpu_count() - 1}"
+    return env
+
+
+def run_vllm_offline(args, workload: Workload) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        script = Path(tmp) / "vllm_offline.py"
+        script.write_text(VLLM_OFFLINE_SCRIPT)
+        spec.write_text(json.dumps({"model": resolved_model(args), "dtype": args.dtype,
+                                    "prompts": workload.prompts, "output_lens": workload.output_lens}))
+        subprocess.run([args.vllm_python, str(script), str(spec), str(result)], check=True, env=vllm_environment(args))
+        figures = json.loads(result.read_text())
+    return {"seconds": figures["seconds"], "startup_s": figures["startup_s"],
+            "output_tokens_per_s": figures["output_tokens"] / figures["seconds"],
+            "input_tokens_per_s": workload.num_input_tokens / figures["seconds"],
+            "request_throughput": len(workload.prompts) / figures["seconds"]}
+
+
+# -- streaming clients -----------------------------------------------------------------------------
+async def _drive(workload: Workload, concurrency: int, rate: float, seed: int, one_request, label: str):
+    """Launch requests (Poisson arrivals at `rate`, at most `concurrency` in flight)."""
+    semaphore = asyncio.Semaphore(concurrency)
+    rng = random.Random(seed)
+    bar = progress(len(workload.prompts), label)
+
+    async def limited(prompt, out_len):
+        async with semaphore:
+            record = RequestRecord(len(prompt))
+            began = time.perf_counter()
+            try:
+                await one_request(prompt, out_len, record, began)
+            except Exception as error:  # noqa: BLE001 - counted, not fatal
+                record.error = repr(error)
+            record.e2e = time.perf_counter() - began
+            bar.update(1)
+            return record
+
+    tasks = []
+    start = time.perf_counter()
+    for prompt, out_len in zip(workload.prompts, workload.output_lens):
+        tasks.append(asyncio.create_task(limited(prompt, out_len)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+    records = await asyncio.gather(*tasks)
+    bar.close()
+    return records, time.perf_counter() - start
+
+
+def _mark_token(record: RequestRecord, began: float, last: list[float], count: int = 1) -> None:
+    now = time.perf_counter()
+    if record.ttft is None:
+        record.ttft = now - began
+    else:
+        record.itls.append(now - last[0])
+    last[0] = now
+    record.output_tokens += count
+
+
+async def triton_requests(grpc_url: str, workload: Workload, concurrency: int, rate: float, seed: int):
+    import numpy as np
+    import tritonclient.grpc.aio as grpcclient
+
+    client = grpcclient.InferenceServerClient(grpc_url)
+
+    async def one_request(prompt, out_len, record, began):
+        inputs = [grpcclient.InferInput("input_ids", [len(prompt)], "INT32"),
+                  grpcclient.InferInput("stream", [1], "BOOL"),
+                  grpcclient.InferInput("sampling_parameters", [1], "BYTES"),
+                  grpcclient.InferInput("return_num_output_tokens", [1], "BOOL")]
+        inputs[0].set_data_from_numpy(np.array(prompt, dtype=np.int32))
+        inputs[1].set_data_from_numpy(np.array([True]))
+        params = {"temperature": 0, "max_tokens": out_len, "ignore_eos": True}
+        inputs[2].set_data_from_numpy(np.array([json.dumps(params).encode()], dtype=object))
+        inputs[3].set_data_from_numpy(np.array([True]))
+
+        async def requests():
+            yield {"model_name": "llm", "inputs": inputs, "enable_empty_final_response": True}
+
+        last = [began]
+        async for result, error in client.stream_infer(requests()):
+            if error is not None:
+                raise RuntimeError(str(error))
+            counts = result.as_numpy("num_output_tokens")
+            if counts is not None and int(counts.sum()):
+                _mark_token(record, began, last, int(counts.sum()))
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+
+    try:
+        return await _drive(workload, concurrency, rate, seed, one_request, f"triton c={concurrency}")
+    finally:
+        await client.close()
+
+
+async def openai_requests(base_url: str, model: str, workload: Workload, concurrency: int, rate: float,
+                          seed: int):
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=None,
+                                 limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        async def one_request(prompt, out_len, record, began):
+            body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            last = [began]
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                response.raise_for_status()
+                counted = 0
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        record.output_tokens = chunk["usage"]["completion_tokens"]
+                    elif chunk.get("choices") and chunk["choices"][0].get("text"):
+                        _mark_token(record, began, last)
+                        counted = record.output_tokens
+            if record.output_tokens == 0:
+                record.output_tokens = counted
+
+        return await _drive(workload, concurrency, rate, seed, one_request, f"openai c={concurrency}")
+
+
+class MetricsWatcher:
+    """Polls a Prometheus endpoint for peak KV usage and the preemption count."""
+
+    def __init__(self, url: str | None) -> None:
+        self.url, self.peak_kv, self._stop = url, 0.0, False
+
+    def read(self) -> dict[str, float]:
+        values = {}
+        with urllib.request.urlopen(self.url, timeout=2) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("vllm:") or line.startswith("vllm_"):
+                    name, _, value = line.rpartition(" ")
+                    key = name.split("{")[0].replace("vllm_", "vllm:", 1)
+                    values[key] = values.get(key, 0.0) + float(value)
+        return values
+
+    async def watch(self) -> None:
+        while not self._stop and self.url:
+            try:
+                self.peak_kv = max(self.peak_kv, self.read().get("vllm:kv_cache_usage_perc", 0.0))
+            except OSError:
+                pass
+            await asyncio.sleep(0.25)
+
+    def preemptions(self) -> float | None:
+        if not self.url:
+            return None
+        try:
+            values = self.read()
+        except OSError:
+            return None
+        return values.get("vllm:num_preemptions_total", values.get("vllm:num_preemptions"))
+
+
+def run_server_mode(mode: str, urls: dict, args, workload: Workload) -> list[dict]:
+    results = []
+    for concurrency in args.concurrency:
+        watcher = MetricsWatcher(urls.get("metrics"))
+        before = watcher.preemptions()
+
+        async def main():
+            task = asyncio.create_task(watcher.watch())
+            if mode == "triton":
+                out = await triton_requests(urls["grpc"], workload, concurrency, args.request_rate, args.seed)
+            else:
+                out = await openai_requests(urls["openai"], urls["model"], workload, concurrency,
+                                            args.request_rate, args.seed)
+            watcher._stop = True
+            await task
+            return out
+
+        records, elapsed = asyncio.run(main())
+        after = watcher.preemptions()
+        summary = summarize(records, elapsed)
+        summary.update(concurrency=concurrency, request_rate=args.request_rate, peak_kv_usage=watcher.peak_kv or None,
+                       preemptions=None if before is None or after is None else after - before)
+        results.append(summary)
+    return results
+
+
+# -- servers -------------------------------------------------------------------------------------
+def wait_http(url: str, timeout: float, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
+
+
+def start_tritonllm(args) -> tuple[subprocess.Popen, dict]:
+    from tools.triton_server import free_port
+
+    ports = {name: free_port() for name in ("http", "grpc", "metrics", "openai")}
+    command = [sys.executable, "-m", "tools.cli", "serve", "--http-port", str(ports["http"]),
+               "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"]),
+               "--port", str(ports["openai"]), "--dtype", args.dtype]
+    if args.model:
+        command += ["--model", args.model]
+    for name, value in json.loads(args.engine_args).items():
+        command += ["--" + name.replace("_", "-"), str(value)]
+    process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL)
+    wait_http(f"http://127.0.0.1:{ports['openai']}/health", 900, process)
+    with urllib.request.urlopen(f"http://127.0.0.1:{ports['openai']}/v1/models") as response:
+        model = json.loads(response.read())["data"][0]["id"]
+    return process, {"grpc": f"127.0.0.1:{ports['grpc']}", "openai": f"http://127.0.0.1:{ports['openai']}",
+                     "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics", "model": model}
+
+
+def start_vllm_serve(args) -> tuple[subprocess.Popen, dict]:
+    from tools.triton_server import free_port
+
+    port = free_port()
+    command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", resolved_model(args),
+               "--dtype", args.dtype, "--port", str(port), "--seed", "0"]
+    process = subprocess.Popen(command, start_new_session=True, env=vllm_environment(args),
+                               stdout=subprocess.DEVNULL)
+    wait_http(f"http://127.0.0.1:{port}/health", 900, process)
+    return process, {"openai": f"http://127.0.0.1:{port}", "metrics": f"http://127.0.0.1:{port}/metrics",
+                     "model": resolved_model(args)}
+
+
+def stop(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+# -- report ----------------------------------------------------------------------------------------
+def resolved_model(args) -> str:
+    from backend.config import EngineConfig
+    return EngineConfig(model=args.model).resolved_model()
+
+
+def progress(total: int, label: str):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=label, unit="req", file=sys.stderr, leave=False)
+
+
+def fmt(value, digits=1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_report(results: dict) -> None:
+    reference = results.get("offline", {}).get("output_tokens_per_s")
+    print(f"{'mode':<26}{'out tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}"
+          f"{'E2E p99':>10}{'peak KV':>9}{'preempt':>8}{'vs offline':>11}")
+    for mode, entries in results.items():
+        for entry in entries if isinstance(entries, list) else [entries]:
+            label = mode + (f" c={entry['concurrency']}" if "concurrency" in entry else "")
+            ratio = entry["output_tokens_per_s"] / reference if reference else None
+            print(f"{label:<26}{fmt(entry['output_tokens_per_s']):>10}{fmt(entry.get('request_throughput'), 2):>8}"
+                  f"{fmt(entry.get('ttft_p50_ms'), 0):>10}{fmt(entry.get('tpot_p50_ms'), 0):>10}"
+                  f"{fmt(entry.get('itl_p50_ms'), 0):>9}{fmt(entry.get('e2e_p99_ms'), 0):>10}"
+                  f"{fmt(entry.get('peak_kv_usage'), 2):>9}{fmt(entry.get('preemptions'), 0):>8}"
+                  f"{fmt(ratio, 2) + 'x' if ratio else '-':>11}")
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, entries in results.items():
+        if isinstance(entries, list):
+            xs = [e["concurrency"] for e in entries]
+            throughput.plot(xs, [e["output_tokens_per_s"] for e in entries], marker="o", label=mode)
+            latency.plot(xs, [e["ttft_p50_ms"] for e in entries], marker="o", label=f"{mode} TTFT p50")
+            latency.plot(xs, [e["tpot_p50_ms"] for e in entries], marker="x", linestyle="--", label=f"{mode} TPOT p50")
+        else:
+            throughput.axhline(entries["output_tokens_per_s"], linestyle=":", label=mode, color="gray")
+    throughput.set(xlabel="concurrency", ylabel="output tokens/s", xscale="log", title="throughput")
+    latency.set(xlabel="concurrency", ylabel="ms", xscale="log", yscale="log", title="latency")
+    throughput.legend(fontsize=7)
+    latency.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--modes", default="offline,hf-sequential",
+                        help=f"comma-separated, from: {', '.join(MODES)}")
+    parser.add_argument("--workload", choices=WORKLOADS, default="fixed")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None, help="HF folder (default: the prepared SmolLM2)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--engine-args", default="{}", help="JSON of extra EngineConfig fields")
+    parser.add_argument("--concurrency", default="64", help="comma-separated, for server modes")
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson)")
+    parser.add_argument("--grpc-url", default=None, help="use a running Triton instead of starting one")
+    parser.add_argument("--openai-url", default=None, help="use a running frontend instead of starting one")
+    parser.add_argument("--metrics-url", default=None, help="Prometheus endpoint of the running server")
+    parser.add_argument("--hf-sequential-prompts", type=int, default=4)
+    parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm (vllm-cpu on CPUs)")
+    parser.add_argument("--vllm-kv-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--vllm-bind-all-cores", action="store_true", help="VLLM_CPU_OMP_THREADS_BIND=0-N")
+    parser.add_argument("--json", default=None, help="write every figure here")
+    parser.add_argument("--plot", default=None, help="PNG of throughput and latency against concurrency")
+
+
+def run(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"--modes: unknown {', '.join(unknown)}")
+    if any(m.startswith("vllm") for m in modes) and not args.vllm_python:
+        raise SystemExit("vllm modes need --vllm-python PATH")
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(resolved_model(args))
+    workload = make_workload(args.workload, tokenizer, args.num_prompts, args.seed, args.input_len, args.output_len)
+    print(f"workload {workload.name}: {len(workload.prompts)} prompts, {workload.num_input_tokens} tokens in, "
+          f"{workload.num_output_tokens} out", file=sys.stderr)
+    runners = {"offline": run_offline, "hf-sequential": run_hf_sequential, "hf-batch": run_hf_batch,
+               "vllm-offline": run_vllm_offline}
+    results: dict = {}
+    ours = None  # one tritonllm serve for the triton and openai modes
+    try:
+        for mode in modes:
+            if mode in runners:
+                results[mode] = runners[mode](args, workload)
+            elif mode == "vllm-serve":
+                process, urls = start_vllm_serve(args)
+                try:
+                    results[mode] = run_server_mode("openai", urls, args, workload)
+                finally:
+                    stop(process)
+            else:
+                given = args.grpc_url if mode == "triton" else args.openai_url
+                if given:
+                    urls = {"grpc": args.grpc_url, "openai": args.openai_url, "metrics": args.metrics_url,
+                            "model": Path(resolved_model(args)).name}
+                else:
+                    ours = ours or start_tritonllm(args)
+                    urls = ours[1]
+                results[mode] = run_server_mode(mode, urls, args, workload)
+    finally:
+        if ours is not None:
+            stop(ours[0])
+    print_report(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"workload": workload.name, "num_prompts": len(workload.prompts),
+                                               "results": results}, indent=2))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))
