@@ -99,6 +99,12 @@ class ModelRunner:
             pin = self.device.type == "cuda"
             self.swap_caches = [torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin)
                                 for _ in range(self.args.num_layers)]
+        self.cuda_graphs = None
+        if self.device.type == "cuda":
+            from backend.cuda_graphs import CudaGraphs  # GPU only: never imported on the CPU
+
+            self.cuda_graphs = CudaGraphs(self.model, self.kv_caches, cuda_graph_batch_sizes(config.max_num_seqs),
+                                          -(-max_model_len // self.block_size))
         logger.info("model %s on %s in %s; KV cache %d blocks of %d tokens", model_path,
                     self.device, self.dtype, self.num_blocks, self.block_size)
 
@@ -109,19 +115,24 @@ class ModelRunner:
                 * self.args.head_dim * element)
 
     def _num_blocks(self) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * self.config.gpu_memory_utilization) - used - (256 << 20)
-        elif self.config.kv_cache_memory_bytes is not None:
+        if self.config.kv_cache_memory_bytes is not None:
             budget = self.config.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            from backend.cuda_graphs import profile_step_memory
+
+            peak = profile_step_memory(self.model, self.args, self.dtype, self.device, self.block_size,
+                                       profile_sequence_lengths(max_step_tokens(self.config, self.max_model_len),
+                                                                self.max_model_len),
+                                       self.config.max_num_seqs)
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = gpu_kv_cache_budget(total, free, peak, self.config.gpu_memory_utilization)
         else:
             budget = min(4 << 30, available_memory_bytes() // 4)
-        if self.config.kv_cache_memory_bytes is not None and self.device.type == "cuda":
-            budget = self.config.kv_cache_memory_bytes
         num_blocks = budget // self.block_bytes
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes: {budget} bytes hold no block "
+            knob = ("gpu_memory_utilization" if self.device.type == "cuda"
+                    and self.config.kv_cache_memory_bytes is None else "kv_cache_memory_bytes")
+            raise ValueError(f"{knob}: leaves {budget} bytes for the KV cache, which hold no block "
                              f"(one block takes {self.block_bytes} bytes)")
         return int(num_blocks)
 
@@ -144,6 +155,27 @@ class ModelRunner:
         """Run one step. Returns logits [num_sampled, vocab] and the requests they belong to."""
         decodes = [(r, n) for r, n in scheduled if n == 1 and r.num_computed_tokens > 0]
         prefills = [(r, n) for r, n in scheduled if not (n == 1 and r.num_computed_tokens > 0)]
+        input_ids, positions, meta = self._prepare(decodes, prefills)
+        if self.cuda_graphs is not None and not prefills and self.cuda_graphs.fits(len(decodes)):
+            hidden = self.cuda_graphs.replay(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        # Only a request whose step reaches its last known token samples the next one.
+        sample_rows, sample_requests = [], []
+        offset = 0
+        for request, n in decodes + prefills:
+            offset += n
+            if request.num_computed_tokens + n == request.num_tokens:
+                sample_rows.append(offset - 1)
+                sample_requests.append(request)
+        if not sample_rows:
+            return torch.empty(0, self.args.vocab_size), []
+        rows = torch.tensor(sample_rows, device=self.device)
+        return self.model.compute_logits(hidden[rows]).cpu(), sample_requests
+
+    def _prepare(self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step as flat tensors: token ids, positions and the attention metadata."""
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -156,46 +188,72 @@ class ModelRunner:
                 positions.append(pos)
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
 
-        device = self.device
-        num_decodes = len(decodes)
-        if num_decodes:
-            seq_lens = [r.num_computed_tokens + 1 for r, _ in decodes]
-            max_blocks = -(-max(seq_lens) // block_size)
-            tables = [r.block_table[:max_blocks] + [0] * (max_blocks - len(r.block_table[:max_blocks]))
-                      for r, _ in decodes]
-            decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=device)
-            lens = torch.tensor(seq_lens, device=device)
-            beyond = (torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
-                      >= lens.unsqueeze(1)).view(num_decodes, 1, -1)
-            decode_bias = torch.zeros(beyond.shape, dtype=self.dtype, device=device)
-            decode_bias.masked_fill_(beyond, float("-inf"))
-        else:
-            decode_block_tables = decode_bias = torch.empty(0, device=device)
-        spans = []
-        offset = num_decodes
-        for request, n in prefills:
-            context_len = request.num_computed_tokens + n
-            table = request.block_table[:-(-context_len // block_size)]
-            spans.append(PrefillSpan(offset, n, context_len,
-                                     torch.tensor(table, dtype=torch.int64, device=device)))
-            offset += n
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=device),
-                                 num_decodes, decode_block_tables, decode_bias, spans)
+        def tables(requests: list[Request], lens: list[int]) -> torch.Tensor:
+            """Each request's blocks covering its length, padded with block 0 to the longest."""
+            width = -(-max(lens, default=0) // block_size)
+            rows = [r.block_table[:width] + [0] * (width - len(r.block_table[:width])) for r in requests]
+            return torch.tensor(rows, dtype=torch.int32).view(len(requests), width).to(self.device)
 
-        hidden = self.model(torch.tensor(input_ids, device=device),
-                            torch.tensor(positions, device=device), self.kv_caches, meta)
-        # Only a request whose step reaches its last known token samples the next one.
-        sample_rows, sample_requests = [], []
-        offset = 0
-        for request, n in decodes + prefills:
+        def int32(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+        decode_lens = [r.num_computed_tokens + 1 for r, _ in decodes]
+        prefill_lens = [r.num_computed_tokens + n for r, n in prefills]
+        prefill_tables = tables([r for r, _ in prefills], prefill_lens)
+        spans, query_starts = [], [0]
+        offset = len(decodes)
+        for i, ((request, n), context_len) in enumerate(zip(prefills, prefill_lens)):
+            spans.append(PrefillSpan(offset, n, context_len, prefill_tables[i, :-(-context_len // block_size)]))
             offset += n
-            if request.num_computed_tokens + n == request.num_tokens:
-                sample_rows.append(offset - 1)
-                sample_requests.append(request)
-        if not sample_rows:
-            return torch.empty(0, self.args.vocab_size), []
-        rows = torch.tensor(sample_rows, device=device)
-        return self.model.compute_logits(hidden[rows]).cpu(), sample_requests
+            query_starts.append(query_starts[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            num_decodes=len(decodes),
+            decode_seq_lens=int32(decode_lens),
+            decode_block_tables=tables([r for r, _ in decodes], decode_lens),
+            prefills=spans,
+            prefill_query_starts=int32(query_starts),
+            prefill_seq_lens=int32(prefill_lens),
+            prefill_block_tables=prefill_tables,
+            max_prefill_query_len=max((n for _, n in prefills), default=0),
+        )
+        return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), meta)
+
+
+def max_step_tokens(config: EngineConfig, max_model_len: int) -> int:
+    """The most tokens one step computes (the engine's max_num_batched_tokens default)."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    return 2048 if config.enable_chunked_prefill else max(2048, max_model_len)
+
+
+def profile_sequence_lengths(num_tokens: int, max_model_len: int) -> list[int]:
+    """The profiling step: num_tokens of prefill in sequences no longer than max_model_len."""
+    full, rest = divmod(num_tokens, max_model_len)
+    return [max_model_len] * full + ([rest] if rest else [])
+
+
+def gpu_kv_cache_budget(total: int, free: int, peak_step_bytes: int, utilization: float,
+                        reserve: int = 256 << 20) -> int:
+    """Bytes left for KV blocks: the utilization share of the GPU, less what is in use now
+    (weights, the CUDA context, other processes), the largest step's activations (measured by
+    the profiling pass) and a reserve for the CUDA graphs' pool and allocator slack."""
+    return int(total * utilization) - (total - free) - peak_step_bytes - reserve
+
+
+def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes captured as CUDA graphs: 1, 2, 4, then every multiple of 8, up to
+    max_num_seqs (itself included) and at most 256. A batch runs in the smallest that holds it."""
+    limit = min(max_num_seqs, 256)
+    sizes = [s for s in [1, 2, 4, *range(8, 257, 8)] if s <= limit]
+    if sizes[-1] < limit:
+        sizes.append(limit)
+    return sizes
+
+
+def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size holding num_seqs, or None when none does (run eagerly)."""
+    return next((s for s in sizes if s >= num_seqs), None)
 
 
 def available_memory_bytes() -> int:

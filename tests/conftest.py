@@ -4,9 +4,15 @@ transformers on the same weights as the reference."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter, which Triton reads once, when it is
+# first imported (transformers may import it early): set it before anything else can.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

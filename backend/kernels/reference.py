@@ -1,0 +1,118 @@
+"""Torch references for the Triton kernels, with the kernels' signatures. The CPU path runs these
+(through `backend/ops.py`) and the tests hold each kernel to them. No Triton import here.
+
+Numerics follow Hugging Face step for step: norms in float32, each elementwise product rounded to
+the activation dtype, so greedy tokens match it exactly in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual stream and the next sublayer's input."""
+    residual = x + residual
+    return rms_norm_reference(residual, weight, eps), residual
+
+
+def rotary_embedding_reference(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [T, H, D], key [T, KVH, D]; cos/sin [T, D] with the halves repeated (HF's
+    rotate_half form)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 * I] (gate, then up) -> [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def reshape_and_cache_reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                                value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key/value [T, KVH, D] into key/value_cache [num_blocks, block_size, KVH, D] (any strides) at
+    slot_mapping [T] (block * block_size + offset; negative slots are padding and not written)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = key_cache.shape[1]
+    for cache, new in ((key_cache, key[keep]), (value_cache, value[keep])):
+        cache[slots // block_size, slots % block_size] = new
+
+
+def paged_attention_decode_reference(query: torch.Tensor, key_cache: torch.Tensor,
+                                     value_cache: torch.Tensor, block_tables: torch.Tensor,
+                                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence over its cached context.
+
+    query [S, H, D]; key/value_cache [num_blocks, block_size, KVH, D]; block_tables [S, max_blocks]
+    (padded with any valid block id); seq_lens [S]. Returns [S, H, D].
+
+    Written as two batched matmuls with the query heads grouped under their KV head over the
+    gathered blocks: on the CPU this runs several times faster than SDPA's flash kernel, which is
+    built for blocks of queries. With the engine's head-major cache the gather yields contiguous
+    [KVH, S, L, D] slabs."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    blocks = block_tables.flatten()
+    keys = gather_blocks(key_cache, blocks).view(num_kv_heads, num_seqs, -1, head_dim)  # [KVH, S, L, D]
+    values = gather_blocks(value_cache, blocks).view(num_kv_heads, num_seqs, -1, head_dim)
+    grouped = query.view(num_seqs, num_kv_heads, -1, head_dim).transpose(0, 1)  # [KVH, S, G, D]
+    scores = torch.matmul(grouped, keys.transpose(2, 3)) * scale  # [KVH, S, G, L]
+    beyond = torch.arange(keys.shape[2], device=query.device) >= seq_lens.unsqueeze(1)  # [S, L]
+    scores.masked_fill_(beyond.unsqueeze(1), float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs, values)  # [KVH, S, G, D]
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
+
+
+def paged_attention_prefill_reference(query: torch.Tensor, key_cache: torch.Tensor,
+                                      value_cache: torch.Tensor, block_tables: torch.Tensor,
+                                      query_starts: torch.Tensor, seq_lens: torch.Tensor,
+                                      scale: float) -> torch.Tensor:
+    """Variable-length causal queries over the cache, which already holds their own keys.
+
+    query [T, H, D] (sequence i's queries are rows query_starts[i]:query_starts[i + 1], the last
+    tokens of its seq_lens[i]); key/value_cache [num_blocks, block_size, KVH, D]; block_tables
+    [P, max_blocks]. Returns [T, H, D]."""
+    out = torch.empty_like(query)
+    starts, lens = query_starts.tolist(), seq_lens.tolist()
+    block_size = key_cache.shape[1]
+    for i, context_len in enumerate(lens):
+        rows = slice(starts[i], starts[i + 1])
+        num_query = starts[i + 1] - starts[i]
+        blocks = block_tables[i, :-(-context_len // block_size)]
+        k = gather_blocks(key_cache, blocks)[:, :context_len].unsqueeze(0)  # [1, KVH, L, D]
+        v = gather_blocks(value_cache, blocks)[:, :context_len].unsqueeze(0)
+        q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Tq, D]
+        positions = torch.arange(num_query, device=query.device).unsqueeze(1) + context_len - num_query
+        mask = torch.arange(context_len, device=query.device).unsqueeze(0) <= positions
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+        out[rows] = attended[0].transpose(0, 1)
+    return out
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, KVH, D] -> [KVH, len(block_ids) * block_size, D]. A free view
+    of the engine's head-major cache [KVH, num_blocks, block_size, D] goes in and out without a
+    transposing copy."""
+    head_major = cache.permute(2, 0, 1, 3)  # [KVH, num_blocks, block_size, D]
+    num_kv_heads, head_dim = head_major.shape[0], head_major.shape[3]
+    return head_major.index_select(1, block_ids).reshape(num_kv_heads, -1, head_dim)

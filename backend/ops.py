@@ -1,0 +1,98 @@
+"""The one place that picks an implementation for each hot-path op: the Triton kernels in
+`backend/kernels/` for CUDA tensors, their torch references on the CPU. The model calls these
+functions and never asks which device it is on.
+
+`triton_kernels()` sends CPU tensors through the Triton kernels too (run by Triton's interpreter),
+which is how the tests check the kernel path end to end without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from types import SimpleNamespace
+
+import torch
+
+from backend import attention
+from backend.attention import AttentionMetadata
+from backend.kernels import reference
+
+_kernels_on_cpu = False
+
+
+@contextlib.contextmanager
+def triton_kernels():
+    """Run the Triton kernels on CPU tensors as well (through the interpreter) while inside."""
+    global _kernels_on_cpu
+    previous, _kernels_on_cpu = _kernels_on_cpu, True
+    try:
+        yield
+    finally:
+        _kernels_on_cpu = previous
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or _kernels_on_cpu
+
+
+@functools.cache
+def _triton() -> SimpleNamespace:
+    """The kernels, imported on first use: the CPU path never loads Triton."""
+    from backend.kernels import activation, cache, paged_attention, prefill_attention, rms_norm, rotary
+    return SimpleNamespace(rms_norm=rms_norm.rms_norm, add_rms_norm=rms_norm.add_rms_norm,
+                           rotary_embedding=rotary.rotary_embedding, silu_and_mul=activation.silu_and_mul,
+                           reshape_and_cache=cache.reshape_and_cache,
+                           paged_attention_decode=paged_attention.paged_attention_decode,
+                           paged_attention_prefill=prefill_attention.paged_attention_prefill)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _use_triton(x):
+        return _triton().rms_norm(x, weight, eps)
+    return reference.rms_norm_reference(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual)."""
+    if _use_triton(x):
+        return _triton().add_rms_norm(x, residual, weight, eps)
+    return reference.add_rms_norm_reference(x, residual, weight, eps)
+
+
+def rotary_embedding(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [T, H, D], key [T, KVH, D], cos/sin [T, D] -> rotated (query, key); the Triton
+    kernel rotates in place."""
+    if _use_triton(query):
+        return _triton().rotary_embedding(query, key, cos, sin)
+    return reference.rotary_embedding_reference(query, key, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if _use_triton(x):
+        return _triton().silu_and_mul(x)
+    return reference.silu_and_mul_reference(x)
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write the step's keys and values into the cache, then attend. query [T, H, D], key/value
+    [T, KVH, D], kv_cache [2, KVH, num_blocks, block_size, D]. Returns [T, H * D]."""
+    if not _use_triton(query):
+        return attention.paged_attention(query, key, value, kv_cache, meta, scale)
+    kernels = _triton()
+    key_cache, value_cache = attention.cache_views(kv_cache)
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+    num_tokens, num_heads, head_dim = query.shape
+    out = query.new_empty(num_tokens, num_heads, head_dim)
+    num_decodes = meta.num_decodes
+    if num_decodes:
+        kernels.paged_attention_decode(query[:num_decodes], key_cache, value_cache, meta.decode_block_tables,
+                                       meta.decode_seq_lens, scale, out=out[:num_decodes])
+    if meta.prefills:
+        kernels.paged_attention_prefill(query[num_decodes:], key_cache, value_cache, meta.prefill_block_tables,
+                                        meta.prefill_query_starts, meta.prefill_seq_lens,
+                                        meta.max_prefill_query_len, scale, out=out[num_decodes:])
+    return out.view(num_tokens, num_heads * head_dim)
