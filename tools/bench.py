@@ -444,8 +444,9 @@ def plot(results: dict, path: str) -> None:
             throughput.axhline(entries["output_tokens_per_s"], linestyle=":", label=mode, color="gray")
     throughput.set(xlabel="concurrency", ylabel="output tokens/s", xscale="log", title="throughput")
     latency.set(xlabel="concurrency", ylabel="ms", xscale="log", yscale="log", title="latency")
-    throughput.legend(fontsize=7)
-    latency.legend(fontsize=7)
+    for axes in (throughput, latency):
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
