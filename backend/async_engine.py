@@ -2,8 +2,15 @@
 
 Callers in any thread validate and tokenize their request on the spot (errors raise at once), then
 hand it to the engine thread through a command queue; the engine thread steps and calls each
-request's `on_output` with every new output, the last one marked finished. If a step fails, the
-engine is marked errored and every request in flight receives a final output carrying the error.
+request's `on_output` with every new output, the last one marked finished.
+
+Overload: at most `max_waiting_requests` samples wait for a slot; past that, `add_request` raises
+EngineOverloadedError at once, before tokenizing anything.
+
+Faults: if a step raises, the requests it may have left half-updated (running, holding KV blocks)
+get a final output carrying the error and are dropped; requests that were only queued carry on.
+One probe step then checks that the model still runs. If it does not, or the block bookkeeping no
+longer adds up, the engine is dead: `errored` is set and every request gets the error.
 """
 
 from __future__ import annotations
@@ -11,21 +18,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import uuid
 from collections import deque
 from typing import AsyncIterator, Callable
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.outputs import RequestOutput
-from backend.sampling_params import SamplingParams
+from backend.request import RequestStatus
+from backend.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
+QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)  # no blocks, nothing half-computed
 
 
-class EngineDeadError(RuntimeError):
-    pass
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (a step raised); it goes on serving others."""
+
+
+class EngineDeadError(RequestFailedError):
+    """The engine has stopped for good; the server should report itself unhealthy."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; the request was refused untouched and may be retried."""
 
 
 class AsyncLLMEngine:
@@ -34,10 +52,13 @@ class AsyncLLMEngine:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.model_name = self.engine.model_name
+        self.max_waiting_requests = config.max_waiting_requests
         self.errored = False
         self.error: BaseException | None = None
+        self.num_failed_steps = 0
         self._callbacks: dict[str, OutputCallback] = {}
         self._commands: deque = deque()
+        self._num_waiting = 0  # samples queued in the engine or on their way to it
         self._wakeup = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tritonllm-engine", daemon=True)
@@ -48,14 +69,23 @@ class AsyncLLMEngine:
                     on_output: OutputCallback, *, cache_salt: str | None = None, priority: int = 0) -> None:
         if self.errored or self._stopping:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        self._refuse_if_full()  # before tokenizing: refusing must stay cheap under overload
         parent = self.engine.process_request(request_id, prompt, params, cache_salt=cache_salt,
                                              priority=priority)
         with self._wakeup:
             if request_id in self._callbacks:
                 raise ValueError(f"request_id {request_id!r} is already in use")
+            self._refuse_if_full()
             self._callbacks[request_id] = on_output
             self._commands.append(("add", parent))
+            self._num_waiting += len(parent.children)
             self._wakeup.notify()
+
+    def _refuse_if_full(self) -> None:
+        limit = self.max_waiting_requests
+        if limit is not None and self._num_waiting >= limit:
+            raise EngineOverloadedError(f"the engine is overloaded: {self._num_waiting} requests are "
+                                        f"waiting (max_waiting_requests={limit}); retry later")
 
     def abort(self, request_id: str) -> None:
         with self._wakeup:
@@ -74,7 +104,8 @@ class AsyncLLMEngine:
             while not finished:
                 output = await queue.get()
                 if output.error is not None:
-                    raise EngineDeadError(output.error)
+                    finished = True
+                    raise (EngineDeadError if self.errored else RequestFailedError)(output.error)
                 finished = output.finished
                 yield output
         finally:
@@ -86,6 +117,9 @@ class AsyncLLMEngine:
 
     def num_unfinished_requests(self) -> int:
         return len(self._callbacks)
+
+    def num_waiting_requests(self) -> int:
+        return self._num_waiting
 
     def shutdown(self) -> None:
         with self._wakeup:
@@ -112,10 +146,15 @@ class AsyncLLMEngine:
                     for request_id in list(self.engine.parents):
                         self._deliver(self.engine.abort_request(request_id))
                     return
-                for output in self.engine.step():
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # noqa: BLE001 - fail what the step touched, then probe
+                    outputs = self._recover(exc)
+                for output in outputs:
                     self._deliver(output)
-        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
-            logger.exception("engine step failed")
+                self._count_waiting()
+        except BaseException as exc:  # noqa: BLE001 - the engine cannot go on: fail everyone, loudly
+            logger.exception("the engine failed")
             self.error, self.errored = exc, True
             with self._wakeup:
                 callbacks, self._callbacks = self._callbacks, {}
@@ -127,6 +166,41 @@ class AsyncLLMEngine:
                 prompt_ids = parent.prompt_token_ids if parent else []
                 self._safe_call(callback, RequestOutput(request_id, None, prompt_ids, [], True,
                                                         error=f"engine failed: {exc!r}"))
+
+    def _count_waiting(self) -> None:
+        queued = len(self.engine.scheduler.waiting) + sum(map(len, self.engine.held_siblings.values()))
+        with self._wakeup:
+            self._num_waiting = queued + sum(len(p.children) for c, p in self._commands if c == "add")
+
+    def _recover(self, exc: Exception) -> list[RequestOutput]:
+        """After a failed step: drop the requests it touched, check the model still runs (raising if
+        not), then fail the dropped ones. Returns the probe step's outputs for the survivors."""
+        self.num_failed_steps += 1
+        logger.error("engine step failed; failing the requests it touched", exc_info=exc)
+        touched = [(request_id, parent.prompt_token_ids) for request_id, parent in self.engine.parents.items()
+                   if any(c.request.status not in QUEUED or c.request.block_table or c.request.swap_blocks
+                          for c in parent.children)]
+        for request_id, _ in touched:
+            self.engine.abort_request(request_id)
+        kv_cache = self.engine.kv_cache
+        if kv_cache.num_free_blocks != kv_cache.num_blocks:  # the survivors hold no blocks
+            raise RuntimeError(f"after a failed step {kv_cache.num_blocks - kv_cache.num_free_blocks} "
+                               f"KV blocks belong to no request") from exc
+        kv_cache.reset_prefix_cache()  # what the failed step wrote is not to be trusted
+        outputs = self._probe()  # raises if the fault persists: the engine is dead
+        for request_id, prompt_ids in touched:
+            self._deliver(RequestOutput(request_id, None, prompt_ids, [], True,
+                                        error=f"engine step failed: {exc!r}"))
+        return outputs
+
+    def _probe(self) -> list[RequestOutput]:
+        """One step with a one-token request in it: raises if the model no longer runs."""
+        probe_id = f"tritonllm-probe-{uuid.uuid4().hex}"
+        self.engine.add_request(probe_id, [0], SamplingParams(
+            max_tokens=2, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY))
+        outputs = self.engine.step()
+        self.engine.abort_request(probe_id)
+        return outputs
 
     def _deliver(self, output: RequestOutput | None) -> None:
         if output is None:

@@ -26,6 +26,9 @@ class EngineConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     max_model_len: int | None = field(default=None, metadata={"help": "prompt + output limit; default: the model's"})
     max_num_seqs: int = field(default=256, metadata={"help": "requests running at once"})
+    max_waiting_requests: int | None = field(default=1024, metadata={
+        "help": "servers: requests (samples, for n > 1) queued for a slot before new ones are refused "
+                "as overloaded; none: no limit (the offline LLM always queues everything)"})
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "tokens computed per step"})
     kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": "KV cache size (CPU); default: min(4 GiB, 1/4 of free RAM)"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory the engine may use"})
@@ -50,6 +53,8 @@ class EngineConfig:
               "block_size", "must be a positive power of two")
         check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
         check(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
+        check(self.max_waiting_requests is None or self.max_waiting_requests > 0,
+              "max_waiting_requests", "must be positive, or none for no limit")
         check(self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,
               "max_num_batched_tokens", "must be positive")
         check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,

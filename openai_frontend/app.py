@@ -1,26 +1,32 @@
-"""The FastAPI app: settings, the shared state every router reads, the edge checks (body size, API
-key) and the mapping of every failure to OpenAI's error envelope."""
+"""The FastAPI app: settings, the shared state every router reads, the edge checks (API key, body
+size and encoding) and the mapping of every failure to OpenAI's error envelope."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
+import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from openai_frontend.errors import OpenAIError, invalid, model_not_found, validation_error
+from openai_frontend.generation import CLIENT_GONE, ClientDisconnected
 from openai_frontend.metrics import FrontendMetrics, MetricsMiddleware
 from openai_frontend.prompts import PromptBuilder
 from openai_frontend.routers import chat, completions, embeddings, models, system
 from openai_frontend.triton import TritonClient
 
 EMBEDDINGS_MODEL_NAME = "all-MiniLM-L6-v2"
+# Open without the API key: probes and scrapers. Everything else (every /v1 route) needs it.
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc"})
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +43,7 @@ class Settings:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_body_bytes: int = 1 << 20
     embeddings_model_name: str = EMBEDDINGS_MODEL_NAME
+    log_requests: bool = False  # log prompts and completions (clients' data: off unless asked)
 
     def resolved(self) -> "Settings":
         model = self.model
@@ -77,19 +84,33 @@ class Frontend:
         raise model_not_found(name)
 
 
-async def send_error(send, error: OpenAIError) -> None:
+async def send_error(send, error: OpenAIError, headers: dict[str, str] | None = None) -> None:
     body = json.dumps(error.body()).encode()
+    extra = [(k.lower().encode(), v.encode()) for k, v in {**error.headers(), **(headers or {})}.items()]
     await send({"type": "http.response.start", "status": error.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body})
 
 
+def digest(secret: bytes) -> bytes:
+    # Comparing fixed-size digests keeps the comparison's time independent of the key's length too.
+    return hashlib.sha256(secret).digest()
+
+
 class EdgeMiddleware:
-    """ASGI middleware: 401 for /v1/ calls without the API key when one is set; 413 for bodies over
-    max_body_bytes, declared or not (the body is read here, up to the limit, then handed on)."""
+    """ASGI middleware, before any parsing: 401 for every path but PUBLIC_PATHS without the API key
+    (when one is set); 413 for bodies over max_body_bytes, declared or not (the body is read here,
+    up to the limit, then handed on); 400 for a body that is not UTF-8."""
 
     def __init__(self, app, max_body_bytes: int, api_key: str | None) -> None:
-        self.app, self.max_body_bytes, self.api_key = app, max_body_bytes, api_key
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.api_key_digest = None if api_key is None else digest(api_key.encode())
+
+    def authorized(self, headers: dict) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        matches = hmac.compare_digest(digest(token.strip()), self.api_key_digest)
+        return matches and scheme.lower() == b"bearer"
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -100,12 +121,11 @@ class EdgeMiddleware:
         declared = headers.get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return await send_error(send, too_large)
-        if self.api_key is not None and scope["path"].startswith("/v1/"):
-            token = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(token.encode(), f"Bearer {self.api_key}".encode()):
-                return await send_error(send, OpenAIError(
-                    401, "Incorrect or missing API key; send it as `Authorization: Bearer <key>`.",
-                    None, "invalid_api_key"))
+        if self.api_key_digest is not None and scope["path"] not in PUBLIC_PATHS \
+                and not self.authorized(headers):
+            return await send_error(send, OpenAIError(
+                401, "Incorrect or missing API key; send it as `Authorization: Bearer <key>`.",
+                None, "invalid_api_key"), {"WWW-Authenticate": "Bearer"})
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -118,6 +138,11 @@ class EdgeMiddleware:
             if not message.get("more_body"):
                 break
         body, replayed = b"".join(chunks), False
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as error:
+            return await send_error(send, invalid(None, f"The request body is not valid UTF-8 "
+                                                        f"({error.reason} at byte {error.start})."))
 
         async def replay_body():
             nonlocal replayed
@@ -154,11 +179,20 @@ def build_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def on_http_error(_, error: HTTPException):
+        if error.status_code == 400 and error.detail == "There was an error parsing the body":
+            # FastAPI's words for a body json.loads gave up on without a JSONDecodeError.
+            return invalid(None, "The request body could not be parsed as JSON (nested too deeply?).").response()
         return OpenAIError(error.status_code, str(error.detail)).response()
 
+    @app.exception_handler(ClientDisconnected)
+    async def on_client_gone(_, error: ClientDisconnected):
+        return Response(status_code=CLIENT_GONE)
+
     @app.exception_handler(Exception)
-    async def on_unexpected_error(_, error: Exception):
-        return OpenAIError(500, f"internal error: {type(error).__name__}: {error}").response()
+    async def on_unexpected_error(request, error: Exception):
+        # The traceback, never the body: request bodies hold clients' prompts.
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return OpenAIError(500, f"internal error: {type(error).__name__}").response()
 
     app.add_middleware(EdgeMiddleware, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key)
     app.add_middleware(MetricsMiddleware, metrics=frontend.metrics)

@@ -15,8 +15,11 @@ CONTEXT_ERROR = re.compile(r"maximum context length is (\d+) tokens; the request
                            r"\((\d+) in the prompt, (\d+) max_tokens\)")
 # Messages that mean "the model cannot serve right now", not "your request is wrong".
 UNAVAILABLE_HINTS = ("unknown model", "no available versions", "is not ready", "unavailable",
-                     "being unloaded", "exceeds maximum queue size", "failed to connect",
-                     "connection refused", "socket closed")
+                     "being unloaded", "failed to connect", "connection refused", "socket closed",
+                     "is not healthy")  # the last: Triton's Python backend lost the model's process
+# The engine's waiting queue is full (backend/async_engine.py), or Triton's own queue is.
+OVERLOAD_HINTS = ("overloaded", "exceeds maximum queue size")
+RETRY_AFTER_S = 1  # every 503 tells the client when to try again
 # Validation messages start with the parameter's name ("top_p must be in (0, 1]", "prompt: ...").
 LEADING_PARAM = re.compile(r"^([a-z_]+)(?::| must| is| cannot)")
 
@@ -32,8 +35,11 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": kind,
                           "param": self.param, "code": self.code}}
 
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else {}
+
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
 
 
 def invalid(param: str | None, message: str) -> OpenAIError:
@@ -67,6 +73,8 @@ def from_triton_message(message: str, prompt_param: str = "prompt") -> OpenAIErr
     if "KV-cache blocks" in text:
         return OpenAIError(400, text, "max_tokens")
     lowered = text.lower()
+    if any(hint in lowered for hint in OVERLOAD_HINTS):
+        return OpenAIError(503, f"The server is overloaded; retry later ({text})", None, "engine_overloaded")
     if any(hint in lowered for hint in UNAVAILABLE_HINTS):
         return OpenAIError(503, f"The model is unavailable: {text}", None, "model_unavailable")
     match = LEADING_PARAM.match(text)
@@ -99,9 +107,15 @@ def param_path(location: tuple) -> str | None:
 
 
 def validation_error(error: RequestValidationError) -> OpenAIError:
-    first = error.errors()[0]
-    param = param_path(tuple(first.get("loc", ())))
+    errors = error.errors()
+    first = errors[0]
     if first.get("type") == "json_invalid":
         return invalid(None, f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
+    # A union reports one error per member it tried ("not a string", "not a list", ...); the one
+    # that is no type mismatch says what is wrong ("prompt[0]: should be >= 0").
+    field = first.get("loc", ())[:2]
+    first = next((e for e in errors if e.get("loc", ())[:2] == field and not e.get("type", "").endswith("_type")),
+                 first)
+    param = param_path(tuple(first.get("loc", ())))
     message = first.get("msg", "invalid value")
     return invalid(param, f"{param}: {message}" if param else f"Invalid request body: {message}")

@@ -1,11 +1,12 @@
 """What completions and chat share: OpenAI fields -> the engine's sampling parameters, running one
-Triton request per prompt, gathering samples into choices, SSE framing, and cancelling the work
-when the HTTP client goes away."""
+Triton request per prompt, gathering samples into choices, SSE framing, cancelling the work when
+the HTTP client goes away, and the request log (prompts and completions only with --log-requests)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
@@ -13,8 +14,11 @@ from fastapi import Request
 
 from backend.sampling_params import SamplingParams
 from openai_frontend.errors import OpenAIError, invalid
+from openai_frontend.prompts import valid_text
 from openai_frontend.schemas import SamplingRequest, Usage
 from openai_frontend.triton import Chunk, SampleDelta, TokenLogprob, TritonClient
+
+request_log = logging.getLogger("openai_frontend.requests")
 
 PASSED_THROUGH = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop",
                   "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
@@ -29,6 +33,8 @@ def sampling_parameters(request: SamplingRequest, *, max_tokens: int, logprobs: 
     values["max_tokens"] = max_tokens
     if logprobs is not None:
         values["logprobs"] = logprobs
+    for stop in [request.stop] if isinstance(request.stop, str) else request.stop or ():
+        valid_text(stop, "stop")
     if any(token_id >= vocab_size for token_id in request.stop_token_ids or ()):
         raise invalid("stop_token_ids", f"stop_token_ids: token ids must be in [0, {vocab_size})")
     if request.logit_bias:
@@ -42,6 +48,8 @@ def sampling_parameters(request: SamplingRequest, *, max_tokens: int, logprobs: 
     except ValueError as error:  # "top_p must be in (0, 1], got 2.0"
         name = str(error).split(" ")[0].rstrip(":")
         raise invalid(name if name in values else None, str(error)) from None
+    if request.cache_salt is not None:
+        values["cache_salt"] = valid_text(request.cache_salt, "cache_salt")
     return values
 
 
@@ -162,9 +170,16 @@ async def sse_stream(events: AsyncIterator[dict]) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
+class ClientDisconnected(Exception):
+    """The HTTP client left before its answer was ready; its Triton requests are cancelled."""
+
+
+CLIENT_GONE = 499  # nginx's "client closed request": what the metrics count; nobody receives it
+
+
 async def unless_disconnected(request: Request, work: Awaitable):
-    """Run a non-streaming request's work, cancelling it (and so its Triton requests) if the client
-    disconnects first. Returns None when the client is gone."""
+    """Await `work` (a whole non-streaming request, or a stream's first response), cancelling it
+    (and so its Triton requests) if the client disconnects first: then ClientDisconnected."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
@@ -183,7 +198,21 @@ async def unless_disconnected(request: Request, work: Awaitable):
         return task.result()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    return None
+    raise ClientDisconnected()
+
+
+def log_request(frontend, response_id: str, prompts: list[list[int]], parameters: list[dict]) -> None:
+    """Prompts are the clients' data: logged only when the operator asked (--log-requests)."""
+    if frontend.settings.log_requests:
+        for index, (prompt, values) in enumerate(zip(prompts, parameters)):
+            request_log.info("%s prompt %d: %r %s", response_id, index, frontend.prompts.decode(prompt),
+                             json.dumps(values))
+
+
+def log_completion(frontend, response_id: str, choices: Choices) -> None:
+    if frontend.settings.log_requests:
+        for index, choice in enumerate(choices.choices):
+            request_log.info("%s choice %d (%s): %r", response_id, index, choice.finish_reason, choice.text)
 
 
 def logprob_value(value: float) -> float:

@@ -6,22 +6,27 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from dataclasses import fields
 
 from openai_frontend.app import Settings, build_app
 
+API_KEY_ENV = "TRITONLLM_API_KEY"
 HELP = {
     "grpc_url": "Triton's gRPC address (host:port)",
     "host": "address to listen on",
     "port": "port to listen on",
-    "api_key": "require `Authorization: Bearer <key>` on /v1/ endpoints",
+    "api_key": "require `Authorization: Bearer <key>` on every endpoint but /health, /version, /metrics "
+               f"and the API docs (default: ${API_KEY_ENV}, which `ps` does not show)",
     "model": "HF model folder: tokenizer, chat template, context length (default: the prepared SmolLM2)",
     "tokenizer": "tokenizer folder, if not the model's",
     "served_model_name": "the LLM's id for clients (default: the model folder's name)",
     "max_model_len": "the engine's context length, if set below the model's",
     "max_body_bytes": "largest request body accepted (413 above)",
     "embeddings_model_name": "the embeddings model's id for clients",
+    "log_requests": "log prompts and completions (never logged otherwise)",
 }
 
 
@@ -29,9 +34,14 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, str]:
     parser = argparse.ArgumentParser(prog="openai_frontend", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type.startswith("bool"):
+            parser.add_argument(flag, action="store_true", help=HELP[f.name])
+            continue
         kind = int if f.type.startswith("int") else str
+        default = os.environ.get(API_KEY_ENV) if f.name == "api_key" else f.default
         help_text = HELP[f.name] if "default" in HELP[f.name] else f"{HELP[f.name]} (default: {f.default})"
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=help_text)
+        parser.add_argument(flag, type=kind, default=default, help=help_text)
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     args = parser.parse_args(argv)
     return Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)}), args.log_level
@@ -41,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     settings, log_level = parse_settings(argv)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app = build_app(settings)
     except ValueError as error:

@@ -29,7 +29,7 @@ class PromptBuilder:
     def __init__(self, model: str, tokenizer: str | None = None, max_model_len: int | None = None) -> None:
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model, trust_remote_code=False)
         config_path = Path(model) / "config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.max_model_len = max_model_len or config.get("max_position_embeddings", 2048)

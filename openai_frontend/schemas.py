@@ -1,5 +1,6 @@
 """Pydantic schemas of the OpenAI API subset we serve: requests (with vLLM's sampling extras) and the
-non-streaming responses. Unknown request fields are accepted and ignored, as OpenAI clients expect."""
+non-streaming responses. Unknown request fields are accepted and ignored, as OpenAI clients expect;
+known ones are typed strictly, as OpenAI types them ("2" is not a number, true is not 1)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ Bias = Annotated[float, Field(ge=-100, le=100)]
 
 class Request(BaseModel):
     # Infinity and NaN parse as JSON in Python; no sampling knob can take them.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(Request):
@@ -35,6 +36,8 @@ class SamplingRequest(Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extras
+    cache_salt: str | None = Field(None, min_length=1, description="prefix-cache hits only between requests "
+                                                                   "with the same salt (tenant isolation)")
     top_k: int | None = Field(None, ge=-1, lt=2**31)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)

@@ -2,7 +2,9 @@
 (the vLLM backend's tensor contract), one unary call per batch of texts to `embeddings`.
 
 A generation is an async iterator of `Chunk`s; closing it early (the HTTP client left) cancels the
-gRPC call, which Triton turns into a cancelled request and the engine into freed KV blocks.
+gRPC call, which Triton turns into a cancelled request and the engine into freed KV blocks. When
+Triton goes away, calls fail at once (503) and the channel keeps reconnecting every two seconds at
+most, so service resumes by itself when Triton is back.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
-from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException
 
 from openai_frontend.errors import OpenAIError, from_grpc_error, from_triton_message
@@ -25,6 +27,12 @@ LLM_MODEL = "llm"
 EMBEDDINGS_MODEL = "embeddings"
 EMBEDDINGS_MAX_BATCH = 64  # the embeddings model's max_batch_size
 RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+DRAIN_TIMEOUT_S = 5.0
+CHANNEL_ARGS = [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+                # gRPC's default reconnect backoff grows to 120 s; Triton restarts take seconds.
+                ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
+                ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 @dataclass
@@ -86,10 +94,24 @@ def _chunk(result, want_logprobs: bool) -> Chunk:
     return Chunk(int(prompt_tokens[0]) if prompt_tokens is not None else 0, samples)
 
 
+async def _drain(responses) -> None:
+    """Read a finished stream to its end. Triton closes a stream once it has answered every request
+    on it; cancelling it a moment before that (or dropping it, which cancels) leaks the stream's
+    state in Triton 2.51, and a model with such a stream never unloads."""
+    async def rest() -> None:
+        async for _ in responses:
+            pass
+
+    try:
+        await asyncio.wait_for(rest(), DRAIN_TIMEOUT_S)
+    except (asyncio.TimeoutError, grpc.RpcError):
+        responses.cancel()
+
+
 class TritonClient:
     def __init__(self, url: str) -> None:
         self.url = url
-        self.client = grpcclient.InferenceServerClient(url)
+        self.client = grpcclient.InferenceServerClient(url, channel_args=CHANNEL_ARGS)
 
     async def close(self) -> None:
         await self.client.close()
@@ -128,8 +150,9 @@ class TritonClient:
         completed = False
         try:
             async for result, error in responses:
-                if error is not None:
+                if error is not None:  # Triton's last answer to the request
                     completed = True
+                    await _drain(responses)
                     raise from_triton_message(error.message(), prompt_param)
                 response = result.get_response()
                 final = response.parameters["triton_final_response"].bool_param
@@ -137,6 +160,7 @@ class TritonClient:
                     yield _chunk(result, want_logprobs)
                 if final:
                     completed = True
+                    await _drain(responses)
                     return
             completed = True
             raise OpenAIError(503, "Triton closed the stream before the request finished", None,

@@ -26,7 +26,9 @@ PROMPT = "Hello, my name is"
 TIMEOUT_S = 120
 
 
-# For the health test: a copy of the model whose engine fails after 20 steps.
+# For the health test: a copy of the model whose engine fails at every step after the 20th. The
+# probe step after the first failure fails too, so the engine is dead, not just one request.
+# (A single failing step is test_reliability.py's.)
 FAULTY_MODEL = "llm_faulty"
 ENGINE_CREATED = "        self.engine = AsyncLLMEngine(engine_config)\n"
 INJECTED_FAILURE = """

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from backend.config import EngineConfig
 from tools.triton_server import MODEL_NAME, TritonServer, write_model_repository
 
 FRONTEND_MODULE = "openai_frontend.main"
+API_KEY_ENV = "TRITONLLM_API_KEY"
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,8 +38,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     servers.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port")
     servers.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port")
     servers.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics port")
-    servers.add_argument("--api-key", default=None,
-                         help="OpenAI frontend: require `Authorization: Bearer <key>`")
+    servers.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                         help=f"OpenAI frontend: require `Authorization: Bearer <key>` (default: ${API_KEY_ENV})")
+    servers.add_argument("--log-requests", action="store_true",
+                         help="OpenAI frontend: log prompts and completions (never logged otherwise)")
     servers.add_argument("--workdir", type=Path, default=None,
                          help="where the runtime model repository and Triton's log go (default: a temp folder)")
     servers.add_argument("--ready-timeout", type=float, default=600.0,
@@ -69,10 +73,16 @@ def start_frontend(args: argparse.Namespace, server: TritonServer,
         return None
     command = [sys.executable, "-m", FRONTEND_MODULE, "--host", args.host, "--port", str(args.port),
                "--grpc-url", server.grpc_url, "--model", engine_args["model"]]
-    for name in ("served_model_name", "tokenizer", "max_model_len", "api_key"):
+    for name in ("served_model_name", "tokenizer", "max_model_len"):
         if getattr(args, name, None) is not None:
             command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    return subprocess.Popen(command, start_new_session=True)
+    if getattr(args, "log_requests", False):
+        command.append("--log-requests")
+    env = dict(os.environ)
+    env.pop(API_KEY_ENV, None)
+    if args.api_key is not None:
+        env[API_KEY_ENV] = args.api_key  # not on the command line, where `ps` shows it to everyone
+    return subprocess.Popen(command, env=env, start_new_session=True)
 
 
 def wait_http(url: str, process: subprocess.Popen, timeout: float) -> None:
@@ -90,7 +100,8 @@ def wait_http(url: str, process: subprocess.Popen, timeout: float) -> None:
 def stop_process(process: subprocess.Popen | None, timeout: float = 30.0) -> None:
     if process is None or process.poll() is not None:
         return
-    process.send_signal(signal.SIGINT)
+    # SIGTERM, not SIGINT: a process started in the background inherits an ignored SIGINT.
+    process.send_signal(signal.SIGTERM)
     try:
         process.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -139,6 +150,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_file=log_file,
                           extra_args=["--model-control-mode=explicit", "--load-model=*"])
     signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
     frontend = None
     print(f"starting tritonserver (log: {log_file}) with model {engine_args['model']}", flush=True)
     try:

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from openai_frontend.errors import invalid
-from openai_frontend.generation import (Choices, check_stream_options, logprob_value, replay, sampling_parameters,
-                                        sse_stream, start, unless_disconnected)
+from openai_frontend.generation import (Choices, check_stream_options, log_completion, log_request, logprob_value,
+                                        replay, sampling_parameters, sse_stream, start, unless_disconnected)
 from openai_frontend.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                      ChatLogprobs, ChatMessage, ErrorResponse, TokenLogprob, TopLogprob)
 from openai_frontend.triton import TokenLogprob as SampledLogprob
@@ -64,13 +64,15 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
                                      vocab_size=frontend.prompts.vocab_size)
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     choices = Choices(1, body.n)
+    log_request(frontend, response_id, [prompt_ids], [parameters])
 
     def chunk(choice: dict) -> dict:
         return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
                 "choices": [choice]}
 
     if body.stream:
-        first, rest = await start(frontend.triton, [prompt_ids], [parameters], stream=True, prompt_param="messages")
+        first, rest = await unless_disconnected(raw_request, start(frontend.triton, [prompt_ids], [parameters],
+                                                                   stream=True, prompt_param="messages"))
 
         async def events():
             for index in range(body.n):
@@ -86,6 +88,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
             if include_usage:
                 yield {"id": response_id, "object": "chat.completion.chunk", "created": created,
                        "model": body.model, "choices": [], "usage": choices.usage().model_dump()}
+            log_completion(frontend, response_id, choices)
 
         return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
 
@@ -95,6 +98,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
             choices.update(prompt_index, response)
 
     await unless_disconnected(raw_request, collect())
+    log_completion(frontend, response_id, choices)
     return ChatCompletionResponse(
         id=response_id, created=created, model=body.model, usage=choices.usage(),
         choices=[ChatChoice(

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from openai_frontend.errors import invalid
-from openai_frontend.generation import (Choices, check_stream_options, logprob_value, replay, sampling_parameters,
-                                        sse_stream, start, unless_disconnected)
+from openai_frontend.generation import (Choices, check_stream_options, log_completion, log_request, logprob_value,
+                                        replay, sampling_parameters, sse_stream, start, unless_disconnected)
 from openai_frontend.schemas import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                      ErrorResponse)
 from openai_frontend.triton import TokenLogprob
@@ -58,9 +58,11 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
     echoes = [p if isinstance(p, str) else frontend.prompts.decode(p) for p in items] if body.echo else None
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     choices = Choices(len(prompts), body.n)
+    log_request(frontend, response_id, prompts, parameters)
 
     if body.stream:
-        first, rest = await start(frontend.triton, prompts, parameters, stream=True, prompt_param="prompt")
+        first, rest = await unless_disconnected(raw_request, start(frontend.triton, prompts, parameters, stream=True,
+                                                                   prompt_param="prompt"))
 
         async def events():
             offsets = [0] * len(choices.choices)
@@ -77,6 +79,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
             if include_usage:
                 yield {"id": response_id, "object": "text_completion", "created": created, "model": body.model,
                        "choices": [], "usage": choices.usage().model_dump()}
+            log_completion(frontend, response_id, choices)
 
         def chunk_event(index, text, logprobs, finish_reason) -> dict:
             return {"id": response_id, "object": "text_completion", "created": created, "model": body.model,
@@ -90,6 +93,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
             choices.update(prompt_index, chunk)
 
     await unless_disconnected(raw_request, collect())
+    log_completion(frontend, response_id, choices)
     return CompletionResponse(
         id=response_id, created=created, model=body.model, usage=choices.usage(),
         choices=[CompletionChoice(

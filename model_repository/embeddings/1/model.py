@@ -38,8 +38,10 @@ class SentenceEncoder:
 
     def __init__(self, folder: Path, device: str) -> None:
         self.device = device
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModel.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        # safetensors only: a pickled checkpoint (pytorch_model.bin) could run code when loaded.
+        self.model = AutoModel.from_pretrained(folder, dtype=torch.float32, use_safetensors=True,
+                                               trust_remote_code=False).to(device).eval()
         config = folder / "sentence_bert_config.json"
         limit = json.loads(config.read_text()).get("max_seq_length") if config.is_file() else None
         self.max_seq_length = limit or self.tokenizer.model_max_length

@@ -1,11 +1,15 @@
 """Triton's face of the engine: request tensors in, engine requests out, engine outputs back as
 responses. It speaks the tensor contract of Triton's vLLM backend, so that backend's clients work.
 
-Threads: Triton calls `execute`, which validates and hands requests to the engine, nothing more.
-The engine steps on its own thread and calls back with each output; one sender thread turns
-outputs into responses, polls for cancellation and owns every FINAL flag, so each request gets
-exactly one on every path (success, error, cancel, unload). A third thread copies the engine's
-metrics to Triton's metrics port (see triton_metrics.py).
+Threads: Triton calls `execute`, which validates (request_parsing.py) and hands requests to the
+engine, nothing more. The engine steps on its own thread and calls back with each output; one
+sender thread turns outputs into responses, polls for cancellation and owns every FINAL flag, so
+each request gets exactly one on every path (success, error, cancel, unload). A third thread
+copies the engine's metrics to Triton's metrics port (see triton_metrics.py).
+
+Errors: a bad request is INVALID_ARG; a full waiting queue is UNAVAILABLE ("overloaded", like
+Triton's own queue-full error); a failed engine step is INTERNAL for the requests it touched. If
+the engine dies, the model unloads itself so that it reads as not ready.
 """
 
 from __future__ import annotations
@@ -23,16 +27,15 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 try:
-    from backend import AsyncLLMEngine, EngineConfig, RequestOutput, RequestOutputKind, SamplingParams
+    from backend import AsyncLLMEngine, EngineConfig, RequestOutput
+    from backend.async_engine import EngineDeadError, EngineOverloadedError
 except ImportError as error:  # the stub runs an isolated Python: PYTHONPATH does not count
     raise ImportError("tritonllm's `backend` package is not importable by Triton's Python stub; "
                       "install it into the Python that runs tritonserver (pip install -e .)") from error
 
+from request_parsing import parse_request
 from triton_metrics import MetricsExporter
 
-FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason",
-               "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
-               "return_num_output_tokens")
 CANCEL_POLL_S = 0.1
 METRICS_POLL_S = 0.5
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -52,60 +55,6 @@ class Job:
     cancelled: bool = False
     unloading: bool = False
     done: bool = False
-
-
-def parse_request(request) -> tuple[str | list[int], SamplingParams, dict[str, bool]]:
-    """Read the request's tensors and parameters; raise ValueError naming what is wrong."""
-    # The HTTP generate endpoint carries its "parameters" object here; gRPC clients usually send
-    # the sampling_parameters tensor instead. Flags may come either way; tensors win.
-    try:
-        extra = json.loads(request.parameters() or "{}")
-    except json.JSONDecodeError:
-        extra = {}
-    flags = {}
-    for name in FLAG_INPUTS:
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        value = extra.pop(name, None)
-        if tensor is not None:
-            value = tensor.as_numpy().reshape(-1)[0]
-        if isinstance(value, str):
-            value = value.strip().lower() in ("true", "1", "yes")
-        flags[name] = None if value is None else bool(value)
-    stream = bool(flags["stream"])
-    if stream and flags["exclude_input_in_output"] is False:
-        raise ValueError("exclude_input_in_output: false is not allowed when streaming")
-    # Non-streaming responses echo the prompt unless told not to (the vLLM backend's default).
-    flags["prepend_input"] = not stream and not flags["exclude_input_in_output"]
-    flags["stream"] = stream
-
-    text = pb_utils.get_input_tensor_by_name(request, "text_input")
-    input_ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
-    if text is not None:
-        value = text.as_numpy().reshape(-1)[0]
-        prompt = value.decode("utf-8") if isinstance(value, bytes) else str(value)
-    elif input_ids is not None:
-        prompt = [int(t) for t in input_ids.as_numpy().reshape(-1)]
-    else:
-        raise ValueError("text_input: required (or input_ids for a token-id prompt)")
-
-    tensor = pb_utils.get_input_tensor_by_name(request, "sampling_parameters")
-    if tensor is not None:
-        raw = tensor.as_numpy().reshape(-1)[0]
-        raw = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-        try:
-            values = json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError as error:
-            raise ValueError(f"sampling_parameters: not valid JSON ({error})") from None
-    else:
-        values = {k: v for k, v in extra.items() if not k.startswith("triton_")}
-    if not isinstance(values, dict):
-        raise ValueError("sampling_parameters: must be a JSON object")
-    try:
-        params = SamplingParams.from_dict({k: v for k, v in values.items() if v is not None})
-    except TypeError as error:
-        raise ValueError(f"sampling_parameters: {error}") from None
-    params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-    return prompt, params, flags
 
 
 def string_tensor(name: str, values: list[str]):
@@ -154,27 +103,37 @@ class TritonPythonModel:
             self.outbox.put((job, error))
             return
         try:
-            prompt, params, job.flags = parse_request(request)
+            prompt, params, job.flags, cache_salt = parse_request(request)
             job.n = params.n
             job.logprobs_asked = params.logprobs is not None
             if job.flags["return_cumulative_logprob"] and params.logprobs is None:
                 params.logprobs = 0  # the engine sums logprobs only when it computes them
             job.finish_reasons = [None] * job.n
             job.cumulative_logprobs = [0.0] * job.n
+            # Registered and handed over under one lock, so the sender thread never aborts (on a
+            # cancellation) a request the engine has not been given yet.
             with self.jobs_lock:
                 self.jobs[job.request_id] = job
-            self.engine.add_request(job.request_id, prompt, params,
-                                    lambda output, job=job: self.outbox.put((job, output)))
-        except Exception as error:  # ValueError: the client's mistake; anything else: ours
+                self.engine.add_request(job.request_id, prompt, params,
+                                        lambda output, job=job: self.outbox.put((job, output)),
+                                        cache_salt=cache_salt)
+        except Exception as error:
             with self.jobs_lock:
                 self.jobs.pop(job.request_id, None)
-            if isinstance(error, ValueError):
-                triton_error = pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
-            else:
-                pb_utils.Logger.log_error(f"[llm] request failed: {traceback.format_exc()}")
-                triton_error = pb_utils.TritonError(f"internal error: {error!r}",
-                                                    pb_utils.TritonError.INTERNAL)
-            self.outbox.put((job, triton_error))
+            self.outbox.put((job, self._triton_error(error)))
+
+    def _triton_error(self, error: Exception):
+        """A refused request's error: the client's mistake, too much load, or ours."""
+        if isinstance(error, EngineOverloadedError):  # Triton's own queue-full error is UNAVAILABLE too
+            return pb_utils.TritonError(str(error), pb_utils.TritonError.UNAVAILABLE)
+        if isinstance(error, EngineDeadError):
+            self._on_engine_failure(str(error))
+            return pb_utils.TritonError("the engine has failed; the model is unavailable",
+                                        pb_utils.TritonError.UNAVAILABLE)
+        if isinstance(error, ValueError):
+            return pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
+        pb_utils.Logger.log_error(f"[llm] request failed: {traceback.format_exc()}")
+        return pb_utils.TritonError(f"internal error: {type(error).__name__}", pb_utils.TritonError.INTERNAL)
 
     # -- responses out (the sender thread) -----------------------------------------------------
     def _send_loop(self) -> None:
@@ -210,8 +169,9 @@ class TritonPythonModel:
         if isinstance(item, pb_utils.TritonError):
             return self._finish(job, pb_utils.InferenceResponse(error=item))
         output = item
-        if output.error is not None:
-            self._on_engine_failure(output.error)
+        if output.error is not None:  # a failed step: this request is lost, maybe the engine too
+            if self.engine.errored:
+                self._on_engine_failure(output.error)
             error = pb_utils.TritonError(f"engine error: {output.error}", pb_utils.TritonError.INTERNAL)
             return self._finish(job, pb_utils.InferenceResponse(error=error))
         if job.cancelled or job.unloading:
