@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
 def eos_token_ids(model_path: str, hf_config: dict) -> set[int]:

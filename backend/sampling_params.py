@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -64,8 +65,8 @@ class SamplingParams:
                    "repetition_penalty")
         for name in numbers:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise ValueError(f"{name} must be a number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         check(self.n >= 1, "n", "must be at least 1")
         check(self.n <= 128, "n", "must be at most 128")
         check(self.temperature >= 0.0, "temperature", "must be non-negative")

@@ -137,7 +137,8 @@ def test_top_k_top_p_mask():
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(max_tokens=0), dict(top_p=0.0),
                                  dict(n=0), dict(logprobs=21), dict(min_tokens=5, max_tokens=2),
                                  dict(top_k=1e30), dict(seed=1 << 70), dict(temperature="hot"),
-                                 dict(max_tokens=2.5), dict(temperature=float("nan"))])
+                                 dict(max_tokens=2.5), dict(temperature=float("nan")),
+                                 dict(repetition_penalty=float("inf"))])
 def test_invalid_sampling_params_name_the_field(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)

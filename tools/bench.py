@@ -241,14 +241,14 @@ async def triton_requests(grpc_url: str, workload: Workload, concurrency: int, r
             yield {"model_name": "llm", "inputs": inputs, "enable_empty_final_response": True}
 
         last = [began]
+        # Read the stream to its end: dropping it right after the final response can leave
+        # Triton 2.51 unable to unload the model.
         async for result, error in client.stream_infer(requests()):
             if error is not None:
                 raise RuntimeError(str(error))
             counts = result.as_numpy("num_output_tokens")
             if counts is not None and int(counts.sum()):
                 _mark_token(record, began, last, int(counts.sum()))
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
 
     try:
         return await _drive(workload, concurrency, rate, seed, one_request, f"triton c={concurrency}")
