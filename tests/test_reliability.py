@@ -285,7 +285,7 @@ GRPC_BAD_INPUTS = [
     ("NaN literal", with_params(b'{"temperature": NaN}'), "NaN is not a number JSON allows"),
     ("Infinity literal", with_params(b'{"top_p": Infinity}'), "Infinity is not a number"),
     ('temperature "inf"', with_params(b'{"temperature": "inf"}'), "temperature must be a finite number"),
-    ('temperature "nan"', with_params(b'{"temperature": "nan"}'), "temperature must be a number"),
+    ('temperature "nan"', with_params(b'{"temperature": "nan"}'), "temperature must be a finite number"),
     ('repetition_penalty "inf"', with_params(b'{"repetition_penalty": "inf"}'),
      "repetition_penalty must be a finite number"),
     ("temperature -1", with_params(b'{"temperature": -1}'), "temperature must be non-negative"),
@@ -344,7 +344,7 @@ GRPC_BAD_INPUTS = [
 # Over HTTP the error code shows: INVALID_ARG is a 400.
 HTTP_BAD_INPUTS = [
     ("parameters: NaN temperature", {"text_input": "Hi", "parameters": {"temperature": "nan"}},
-     "temperature must be a number"),
+     "temperature must be a finite number"),
     ("parameters: n 10^6", {"text_input": "Hi", "parameters": {"n": 1000000}}, "n must be at most 128"),
     ("parameters: logprobs 21", {"text_input": "Hi", "parameters": {"logprobs": 21}}, "logprobs must be in [0, 20]"),
     ("sampling_parameters not JSON", {"text_input": "Hi", "sampling_parameters": "{"},
