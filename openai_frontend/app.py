@@ -9,7 +9,7 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Response
@@ -20,10 +20,11 @@ from openai_frontend.errors import OpenAIError, invalid, model_not_found, valida
 from openai_frontend.generation import CLIENT_GONE, ClientDisconnected
 from openai_frontend.metrics import FrontendMetrics, MetricsMiddleware
 from openai_frontend.prompts import PromptBuilder
+from openai_frontend.replicas import DNS_PREFIX, ROUTING, Replicas
 from openai_frontend.routers import chat, completions, embeddings, models, system
-from openai_frontend.triton import TritonClient
 
 EMBEDDINGS_MODEL_NAME = "all-MiniLM-L6-v2"
+DEFAULT_TRITON_URL = "127.0.0.1:8001"
 # Open without the API key: probes and scrapers. Everything else (every /v1 route) needs it.
 PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc"})
 logger = logging.getLogger(__name__)
@@ -32,8 +33,12 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Settings:
     """The frontend's knobs; the CLI flags carry the same names. `model`, `tokenizer`,
-    `served_model_name` and `max_model_len` mean what they mean in EngineConfig."""
-    grpc_url: str = "127.0.0.1:8001"
+    `served_model_name` and `max_model_len` mean what they mean in EngineConfig. The Tritons are
+    every `grpc_url`, `triton_url` and line of `triton_urls_file` (127.0.0.1:8001 if none)."""
+    grpc_url: str | None = None  # one Triton's gRPC address: a triton_url by its older name
+    triton_url: list[str] = field(default_factory=list)  # `host:port`, or `dns:///name:port` for all its addresses
+    triton_urls_file: str | None = None  # one address a line; re-read every few seconds
+    routing: str = "least-outstanding"  # or `prefix` (cache-aware), `round-robin`
     host: str = "127.0.0.1"
     port: int = 9000
     api_key: str | None = None
@@ -54,19 +59,31 @@ class Settings:
                                  "(run `tritonllm prepare-model`)")
             model = str(default_model_dir())
         model = str(Path(model).expanduser())
+        if self.routing not in ROUTING:
+            raise ValueError(f"routing: one of {', '.join(ROUTING)}, got {self.routing!r}")
+        if self.triton_urls_file is not None and not Path(self.triton_urls_file).is_file():
+            raise ValueError(f"triton_urls_file: {self.triton_urls_file} is not a file")
+        for url in self.triton_urls():
+            if not url.removeprefix(DNS_PREFIX).rpartition(":")[2].isdigit():
+                raise ValueError(f"triton_url: `{url}` needs a port (host:port or dns:///name:port)")
         return Settings(**{**self.__dict__, "model": model,
                            "served_model_name": self.served_model_name or Path(model).name})
 
+    def triton_urls(self) -> list[str]:
+        urls = [*([self.grpc_url] if self.grpc_url else []), *self.triton_url]
+        return urls or ([] if self.triton_urls_file else [DEFAULT_TRITON_URL])
+
 
 class Frontend:
-    """What the routers share: settings, prompt building, the Triton client and the metrics."""
+    """What the routers share: settings, prompt building, the Triton replicas and the metrics."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.prompts = PromptBuilder(settings.model, settings.tokenizer, settings.max_model_len)
-        self.metrics = FrontendMetrics()
+        # Connected inside the event loop (lifespan); TritonClient's calls, routed.
+        self.triton = Replicas(settings.triton_urls(), settings.routing, settings.triton_urls_file)
+        self.metrics = FrontendMetrics(self.triton)
         self.started = int(time.time())
-        self.triton: TritonClient | None = None  # made inside the event loop (lifespan)
 
     def check_llm_model(self, name: str) -> None:
         if name == self.settings.served_model_name:
@@ -160,7 +177,7 @@ def build_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        frontend.triton = TritonClient(settings.grpc_url)
+        await frontend.triton.start()
         yield
         await frontend.triton.close()
 

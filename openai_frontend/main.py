@@ -1,6 +1,8 @@
-"""`python -m openai_frontend`: serve the OpenAI API against a running Triton.
+"""`python -m openai_frontend`: serve the OpenAI API against one running Triton or several.
 
     python -m openai_frontend --grpc-url 127.0.0.1:8001 --port 9000 --model /path/to/hf-folder
+    python -m openai_frontend --triton-url 10.0.0.5:8001 --triton-url 10.0.0.6:8001 --routing prefix
+    python -m openai_frontend --triton-url dns:///tritonllm-triton:8001   # every address of the name
 """
 
 from __future__ import annotations
@@ -12,10 +14,17 @@ import sys
 from dataclasses import fields
 
 from openai_frontend.app import Settings, build_app
+from openai_frontend.replicas import ROUTING
 
 API_KEY_ENV = "TRITONLLM_API_KEY"
 HELP = {
-    "grpc_url": "Triton's gRPC address (host:port)",
+    "grpc_url": "one Triton's gRPC address (host:port); the same as one --triton-url (default: none)",
+    "triton_url": "a Triton replica's gRPC address, host:port, or dns:///name:port for every address the "
+                  "name resolves to (a Kubernetes headless Service), re-resolved every 2 s; repeat for "
+                  "more (default: 127.0.0.1:8001)",
+    "triton_urls_file": "a file with one such address a line (# comments), re-read every 2 s",
+    "routing": "how a request picks a replica: least-outstanding, prefix (the prompt's first blocks pick "
+               "a replica, so shared system prompts hit its prefix cache) or round-robin",
     "host": "address to listen on",
     "port": "port to listen on",
     "api_key": "require `Authorization: Bearer <key>` on every endpoint but /health, /version, /metrics "
@@ -38,10 +47,14 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, str]:
         if f.type.startswith("bool"):
             parser.add_argument(flag, action="store_true", help=HELP[f.name])
             continue
+        if f.type.startswith("list"):
+            parser.add_argument(flag, action="append", default=[], help=HELP[f.name])
+            continue
         kind = int if f.type.startswith("int") else str
         default = os.environ.get(API_KEY_ENV) if f.name == "api_key" else f.default
         help_text = HELP[f.name] if "default" in HELP[f.name] else f"{HELP[f.name]} (default: {f.default})"
-        parser.add_argument(flag, type=kind, default=default, help=help_text)
+        parser.add_argument(flag, type=kind, default=default, help=help_text,
+                            choices=ROUTING if f.name == "routing" else None)
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     args = parser.parse_args(argv)
     return Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)}), args.log_level

@@ -1,18 +1,42 @@
 """The frontend's own Prometheus metrics (Triton exports the engine's on its metrics port): requests
-by endpoint and status, their latency to the last byte (streams included), and those in flight."""
+by endpoint and status, their latency to the last byte (streams included), those in flight, and
+per Triton replica whether it is ready, its outstanding requests and the requests sent to it."""
 
 from __future__ import annotations
 
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
+class ReplicaCollector:
+    """Read at scrape time, so replicas that come and go need no bookkeeping here."""
+
+    def __init__(self, replicas) -> None:
+        self.replicas = replicas
+
+    def collect(self):
+        ready = GaugeMetricFamily("tritonllm_frontend_replica_ready",
+                                  "1 if the replica's llm model is ready and routed to.", labels=("replica",))
+        outstanding = GaugeMetricFamily("tritonllm_frontend_replica_outstanding_requests",
+                                        "Requests sent to the replica and not finished.", labels=("replica",))
+        sent = CounterMetricFamily("tritonllm_frontend_replica_requests",
+                                   "Requests sent to the replica (retries included).", labels=("replica",))
+        for replica in self.replicas.all():
+            ready.add_metric([replica.url], float(replica.ready))
+            outstanding.add_metric([replica.url], replica.outstanding)
+            sent.add_metric([replica.url], replica.requests)
+        return [ready, outstanding, sent]
+
+
 class FrontendMetrics:
-    def __init__(self) -> None:
+    def __init__(self, replicas=None) -> None:
         self.registry = CollectorRegistry()
+        if replicas is not None:
+            self.registry.register(ReplicaCollector(replicas))
         self.requests = Counter("tritonllm_frontend_requests", "HTTP requests answered.",
                                 ("endpoint", "status"), registry=self.registry)
         self.latency = Histogram("tritonllm_frontend_request_duration_seconds",

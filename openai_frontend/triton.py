@@ -3,8 +3,9 @@
 
 A generation is an async iterator of `Chunk`s; closing it early (the HTTP client left) cancels the
 gRPC call, which Triton turns into a cancelled request and the engine into freed KV blocks. When
-Triton goes away, calls fail at once (503) and the channel keeps reconnecting every two seconds at
-most, so service resumes by itself when Triton is back.
+Triton goes away, calls fail at once with `ReplicaUnavailable` (a 503) and the channel keeps
+reconnecting every two seconds at most, so service resumes by itself when Triton is back. One
+TritonClient talks to one Triton; openai_frontend/replicas.py spreads requests over several.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ CHANNEL_ARGS = [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
                 # gRPC's default reconnect backoff grows to 120 s; Triton restarts take seconds.
                 ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
                 ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+class ReplicaUnavailable(OpenAIError):
+    """This Triton cannot be reached (or went away mid-request): another replica may serve."""
+
+    def __init__(self, url: str, details: str) -> None:
+        super().__init__(503, f"Triton at {url} is unreachable: {details}", None, "service_unavailable")
 
 
 @dataclass
@@ -122,8 +130,7 @@ class TritonClient:
             return await self.client.is_model_ready(model, client_timeout=5)
         except InferenceServerException as error:
             if "unavailable" in str(error.status() or "").lower() or "failed to connect" in str(error).lower():
-                raise OpenAIError(503, f"Triton at {self.url} is unreachable: {error.message()}",
-                                  None, "service_unavailable") from None
+                raise ReplicaUnavailable(self.url, error.message()) from None
             return False
 
     async def generate(self, prompt_token_ids: list[int], sampling_parameters: dict, *, stream: bool,
@@ -163,10 +170,11 @@ class TritonClient:
                     await _drain(responses)
                     return
             completed = True
-            raise OpenAIError(503, "Triton closed the stream before the request finished", None,
-                              "service_unavailable")
+            raise ReplicaUnavailable(self.url, "it closed the stream before the request finished")
         except grpc.RpcError as error:
             completed = True
+            if error.code() == grpc.StatusCode.UNAVAILABLE:  # the connection, not the model
+                raise ReplicaUnavailable(self.url, error.details()) from None
             raise from_grpc_error(error) from None
         finally:
             if not completed:  # the caller went away (client disconnect, cancellation)
@@ -187,7 +195,9 @@ class TritonClient:
                                              outputs=outputs)
         except InferenceServerException as error:
             status = str(error.status() or "")
-            if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status or "RESOURCE_EXHAUSTED" in status:
+            if "UNAVAILABLE" in status:
+                raise ReplicaUnavailable(self.url, error.message()) from None
+            if "DEADLINE_EXCEEDED" in status or "RESOURCE_EXHAUSTED" in status:
                 raise OpenAIError(503, f"Triton is unreachable or overloaded: {error.message()}",
                                   None, "service_unavailable") from None
             raise from_triton_message(error.message(), "input") from None

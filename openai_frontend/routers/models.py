@@ -1,5 +1,5 @@
-"""GET /v1/models: the LLM (under --served-model-name) and the embeddings model, when Triton has
-them loaded."""
+"""GET /v1/models: the LLM (under --served-model-name) and the embeddings model, when at least one
+Triton replica has them loaded."""
 
 from __future__ import annotations
 

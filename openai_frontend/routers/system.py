@@ -1,4 +1,5 @@
-"""GET /health (Triton and the LLM ready), /metrics (the frontend's own), /version."""
+"""GET /health (the LLM ready on at least one Triton replica), /metrics (the frontend's own, with
+per-replica readiness and load), /version."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def package_version() -> str:
 @router.get("/health")
 async def health(raw_request: Request):
     if not await raw_request.app.state.frontend.triton.model_ready(LLM_MODEL):
-        raise OpenAIError(503, f"the `{LLM_MODEL}` model is not ready in Triton", None, "model_unavailable")
+        raise OpenAIError(503, f"the `{LLM_MODEL}` model is not ready on any Triton replica", None, "model_unavailable")
     return Response(status_code=200)
 
 

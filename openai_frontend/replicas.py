@@ -1,0 +1,274 @@
+"""Many Tritons behind one frontend: where each request goes, which replicas are up, where they are.
+
+- Routing: `least-outstanding` (the default), `round-robin`, or `prefix`: the prompt's first
+  token blocks pick a replica by rendezvous hashing, so requests that share a system prompt land
+  where its KV blocks are cached, unless that replica is far busier than the least loaded one.
+- Health: a background check of every replica's `llm` model-ready every HEALTH_INTERVAL_S, and any
+  UNAVAILABLE from a call marks its replica down at once. A request that fails on a replica before
+  its first response is tried on another one; after that, only that request fails.
+- Discovery: fixed `host:port` addresses, a file of them re-read at every check, and `dns:///name:port`
+  entries (a Kubernetes headless Service) whose every address is a replica, re-resolved likewise.
+
+`Replicas` offers TritonClient's calls (`generate`, `embed`, `model_ready`, `close`), so the routers
+never know how many Tritons there are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import logging
+import socket
+from collections.abc import AsyncIterator, Iterable
+from contextlib import aclosing, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from openai_frontend.errors import OpenAIError
+from openai_frontend.triton import LLM_MODEL, Chunk, ReplicaUnavailable, TritonClient
+
+ROUTING = ("least-outstanding", "prefix", "round-robin")
+HEALTH_INTERVAL_S = 2.0
+DNS_PREFIX = "dns:///"
+# The prefix key: the prompt's first PREFIX_BLOCKS whole blocks of BLOCK_TOKENS (the engine's
+# default block size), enough to tell system prompts apart and short enough to ignore the question.
+BLOCK_TOKENS = 16
+PREFIX_BLOCKS = 4
+# Prefix routing gives way to load when its replica has more than twice the outstanding requests
+# of the least loaded one, and at least this many more.
+FALLOVER_EXCESS = 8
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Replica:
+    url: str
+    client: TritonClient | None = None  # None only in tests of the policies
+    ready: bool = False  # its llm model answered ready at the last check, and no call failed since
+    outstanding: int = 0  # requests sent and not finished
+    requests: int = 0  # requests ever sent here
+
+
+# -- policies: pure functions of the candidates' state -----------------------------------------------
+def least_outstanding(candidates: list[Replica], turn: int) -> Replica:
+    """Fewest outstanding; ties take turns, so idle replicas share a trickle of requests."""
+    least = min(replica.outstanding for replica in candidates)
+    return round_robin([replica for replica in candidates if replica.outstanding == least], turn)
+
+
+def round_robin(candidates: list[Replica], turn: int) -> Replica:
+    return candidates[turn % len(candidates)]
+
+
+def prefix_key(token_ids: list[int]) -> bytes | None:
+    """A stable hash of the prompt's first whole blocks; None when it has no whole block."""
+    blocks = min(len(token_ids) // BLOCK_TOKENS, PREFIX_BLOCKS)
+    if blocks == 0:
+        return None
+    head = np.asarray(token_ids[:blocks * BLOCK_TOKENS], dtype="<i8").tobytes()
+    return hashlib.blake2b(head, digest_size=16).digest()
+
+
+def rendezvous_order(candidates: list[Replica], key: bytes) -> list[Replica]:
+    """Highest random weight first: adding or losing a replica moves only the keys it wins or held."""
+    def weight(replica: Replica) -> bytes:
+        return hashlib.blake2b(key + replica.url.encode(), digest_size=8).digest()
+    return sorted(candidates, key=weight, reverse=True)
+
+
+def overloaded(outstanding: int, least: int) -> bool:
+    return outstanding > 2 * least and outstanding - least >= FALLOVER_EXCESS
+
+
+def prefix_affine(candidates: list[Replica], key: bytes) -> Replica:
+    """The key's first replica in rendezvous order that is not overloaded against the least loaded
+    (there is always one: the least loaded itself), so a hot prefix spills to a stable second."""
+    least = min(replica.outstanding for replica in candidates)
+    return next(replica for replica in rendezvous_order(candidates, key)
+                if not overloaded(replica.outstanding, least))
+
+
+# -- discovery --------------------------------------------------------------------------------------
+def parse_urls(text: str) -> list[str]:
+    """A urls file: one `host:port` or `dns:///name:port` a line; blank lines and `#` comments skipped."""
+    return [line.split("#", 1)[0].strip() for line in text.splitlines() if line.split("#", 1)[0].strip()]
+
+
+def address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ipaddress.ip_address(host).version == 6 else f"{host}:{port}"
+
+
+async def resolve(entry: str) -> list[str]:
+    """`dns:///name:port` -> one `ip:port` per address the name has (sorted); others as they are."""
+    if not entry.startswith(DNS_PREFIX):
+        return [entry]
+    host, _, port = entry[len(DNS_PREFIX):].rpartition(":")
+    infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    return sorted({address(info[4][0], int(port)) for info in infos})
+
+
+class Replicas:
+    def __init__(self, urls: Iterable[str], routing: str = "least-outstanding",
+                 urls_file: str | None = None) -> None:
+        self.entries, self.urls_file, self.routing = list(urls), urls_file, routing
+        self.replicas: dict[str, Replica] = {}  # by url, in discovery order
+        self.retired: list[Replica] = []  # no longer listed; closed once their requests end
+        self.last_resolved: dict[str, list[str]] = {}  # an entry's last good listing
+        self.turn = 0
+        self.watcher: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Discover and check every replica once, then keep doing it in the background."""
+        await self.refresh()
+        self.watcher = asyncio.create_task(self.watch())
+
+    async def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+            await asyncio.gather(self.watcher, return_exceptions=True)
+        for replica in [*self.replicas.values(), *self.retired]:
+            await replica.client.close()
+        self.replicas.clear()
+        self.retired.clear()
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            try:
+                await self.refresh()
+            except Exception:  # the check must outlive any one failure
+                logger.exception("replica refresh failed")
+
+    # -- discovery and health ------------------------------------------------------------------
+    async def listed(self) -> list[str]:
+        entries = list(self.entries)
+        if self.urls_file is not None:
+            try:
+                entries += parse_urls(Path(self.urls_file).read_text())
+            except OSError as error:
+                logger.warning("cannot read %s (%s); keeping the replicas it listed", self.urls_file, error)
+                return list(self.replicas)
+        urls = []
+        for entry in entries:
+            try:
+                self.last_resolved[entry] = await resolve(entry)
+            except (OSError, ValueError) as error:  # DNS down, or a name with no address yet
+                logger.warning("cannot resolve %s (%s); keeping its last addresses", entry, error)
+            urls += [url for url in self.last_resolved.get(entry, []) if url not in urls]
+        return urls
+
+    async def refresh(self) -> None:
+        urls = await self.listed()
+        for url in urls:
+            if url not in self.replicas:
+                self.replicas[url] = Replica(url, TritonClient(url))
+                logger.info("replica %s added", url)
+        for url in [url for url in self.replicas if url not in urls]:
+            self.retired.append(self.replicas.pop(url))
+            logger.info("replica %s removed", url)
+        for replica in [r for r in self.retired if r.outstanding == 0]:
+            self.retired.remove(replica)
+            await replica.client.close()
+        await asyncio.gather(*(self.check(replica) for replica in list(self.replicas.values())))
+
+    async def check(self, replica: Replica) -> bool:
+        try:
+            ready = await replica.client.model_ready(LLM_MODEL)
+        except OpenAIError:
+            ready = False
+        if ready != replica.ready:
+            logger.log(logging.INFO if ready else logging.WARNING, "replica %s is %s", replica.url,
+                       "ready" if ready else "not ready")
+        replica.ready = ready
+        return ready
+
+    def mark_down(self, replica: Replica, error: OpenAIError) -> None:
+        if replica.ready:
+            logger.warning("replica %s marked down: %s", replica.url, error.message)
+        replica.ready = False
+
+    # -- routing -------------------------------------------------------------------------------
+    def pick(self, token_ids: list[int] | None, tried: list[Replica]) -> Replica:
+        candidates = [r for r in self.replicas.values() if r.ready and r not in tried]
+        if not candidates:
+            raise OpenAIError(503, f"no Triton replica is ready ({len(self.replicas)} known)", None,
+                              "service_unavailable")
+        self.turn += 1
+        if self.routing == "round-robin":
+            return round_robin(candidates, self.turn)
+        key = prefix_key(token_ids) if self.routing == "prefix" and token_ids else None
+        return prefix_affine(candidates, key) if key is not None else least_outstanding(candidates, self.turn)
+
+    @contextmanager
+    def sent(self, replica: Replica):
+        replica.outstanding += 1
+        replica.requests += 1
+        try:
+            yield
+        finally:
+            replica.outstanding -= 1
+
+    def retry_elsewhere(self, replica: Replica, error: OpenAIError) -> bool:
+        """Whether a request that failed before its first response may go to another replica:
+        503s only (unreachable, model unloaded, overloaded); the first two also mark it down."""
+        if isinstance(error, ReplicaUnavailable) or error.code == "model_unavailable":
+            self.mark_down(replica, error)
+        return error.status == 503
+
+    # -- TritonClient's calls ------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], sampling_parameters: dict, *, stream: bool,
+                       prompt_param: str = "prompt") -> AsyncIterator[Chunk]:
+        tried: list[Replica] = []
+        while True:
+            replica = self.pick(prompt_token_ids, tried)
+            tried.append(replica)
+            started = False
+            with self.sent(replica):
+                try:
+                    async with aclosing(replica.client.generate(prompt_token_ids, sampling_parameters,
+                                                                stream=stream, prompt_param=prompt_param)) as chunks:
+                        async for chunk in chunks:
+                            started = True
+                            yield chunk
+                    return
+                except OpenAIError as error:
+                    if not self.retry_elsewhere(replica, error) or started:
+                        raise
+                    last_error = error
+            if not any(r.ready and r not in tried for r in self.replicas.values()):
+                raise last_error
+
+    async def embed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        tried: list[Replica] = []
+        while True:
+            replica = self.pick(None, tried)
+            tried.append(replica)
+            with self.sent(replica):
+                try:
+                    return await replica.client.embed(texts)
+                except OpenAIError as error:
+                    if not self.retry_elsewhere(replica, error):
+                        raise
+                    last_error = error
+            if not any(r.ready and r not in tried for r in self.replicas.values()):
+                raise last_error
+
+    async def model_ready(self, model: str) -> bool:
+        """Whether any replica has `model` ready; 503 when none can be reached at all."""
+        replicas = list(self.replicas.values())
+        answers = await asyncio.gather(*(r.client.model_ready(model) for r in replicas), return_exceptions=True)
+        if model == LLM_MODEL:
+            for replica, answer in zip(replicas, answers):
+                replica.ready = answer is True
+        if any(answer is True for answer in answers):
+            return True
+        if all(isinstance(answer, Exception) for answer in answers):
+            raise OpenAIError(503, f"no Triton replica is reachable ({len(replicas)} known)", None,
+                              "service_unavailable")
+        return False
+
+    def all(self) -> list[Replica]:
+        return list(self.replicas.values())

@@ -1,0 +1,162 @@
+"""`python -m tools.bench_router`: one OpenAI frontend over one or two Triton replicas on this machine.
+
+Two measurements, both streamed through /v1/completions with token-id prompts (tools/bench.py's
+client), the frontend in a process of its own:
+
+- scale-out: throughput and TTFT of the `fixed` workload against 1 replica and against 2
+  (least-outstanding routing). Replicas on one machine share its cores, so the gain is bounded by
+  what the cores have left: on a GPU host each replica would own a GPU.
+- routing: 4 system prompts x 16 questions, shuffled, with round-robin, least-outstanding and
+  prefix routing: the prefix-cache hit rate over both replicas (their vllm:prefix_cache_* counters),
+  throughput and TTFT. Each run gets fresh system prompts, so none hits another's cache.
+
+    python -m tools.bench_router --concurrency 8 --kv-cache-memory-bytes 67108864
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from tools.bench import openai_requests, stop, summarize, wait_http
+from tools.bench_workloads import Workload, _text_tokens, make_workload
+from tools.triton_server import TritonServer, free_port, write_model_repository
+
+ROUTINGS = ("round-robin", "least-outstanding", "prefix")
+
+
+def start_replicas(args, model: str, work: Path, count: int) -> list[TritonServer]:
+    engine = {"model": model, "dtype": args.dtype, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+              "max_model_len": 2048}
+    servers = []
+    for index in range(count):
+        folder = work / f"replica{index}"
+        repository = write_model_repository(folder / "repository", engine)
+        servers.append(TritonServer(repository, folder, http_port=free_port(), grpc_port=free_port(),
+                                    metrics_port=free_port(), log_file=folder / "triton.log",
+                                    extra_args=["--model-control-mode=explicit", "--load-model=llm"]).start())
+    for server in servers:
+        server.wait_ready(600)
+    return servers
+
+
+def start_frontend(model: str, replicas: list[TritonServer], routing: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "openai_frontend", "--port", str(port), "--model", model,
+               "--routing", routing, "--log-level", "warning"]
+    for replica in replicas:
+        command += ["--triton-url", replica.grpc_url]
+    process = subprocess.Popen(command, start_new_session=True)
+    wait_http(f"http://127.0.0.1:{port}/health", 300, process)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def counters(replicas: list[TritonServer]) -> dict[str, float]:
+    """The engine counters summed over the replicas (what the exporter has published)."""
+    time.sleep(1.2)  # the llm model publishes its metrics every 0.5 s
+    totals: dict[str, float] = {}
+    for replica in replicas:
+        with urllib.request.urlopen(replica.metrics_url, timeout=10) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("vllm:") and "_total{" in line:
+                    name = line.split("{")[0]
+                    totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def per_replica_requests(replicas: list[TritonServer]) -> list[int]:
+    return [int(counters([replica]).get("vllm:request_success_total", 0)) for replica in replicas]
+
+
+def system_prompt_workload(tokenizer, seed: int, output_len: int) -> Workload:
+    rng = random.Random(seed)
+    systems = [_text_tokens(tokenizer, rng, 256) for _ in range(4)]
+    prompts = [system + _text_tokens(tokenizer, rng, rng.randint(16, 32)) for system in systems for _ in range(16)]
+    rng.shuffle(prompts)
+    return Workload("system-prompts", prompts, [output_len] * len(prompts))
+
+
+def measure(url: str, model_name: str, workload: Workload, concurrency: int, seed: int) -> dict:
+    records, elapsed = asyncio.run(openai_requests(url, model_name, workload, concurrency, float("inf"), seed))
+    return summarize(records, elapsed)
+
+
+def row(label: str, summary: dict, extra: str = "") -> str:
+    return (f"{label:<34}{summary['output_tokens_per_s']:>10.1f}{summary['request_throughput']:>8.2f}"
+            f"{summary['ttft_p50_ms']:>10.0f}{summary['ttft_p90_ms']:>10.0f}{summary['failed']:>7}  {extra}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_router", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF folder (default: the prepared SmolLM2)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=96 << 20, help="per replica")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--num-prompts", type=int, default=48, help="scale-out workload size")
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--skip", choices=("scale-out", "routing"), default=None)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+    from tools.prepare_model import prepare_model
+    model = str(Path(args.model).expanduser()) if args.model else str(prepare_model())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    model_name = Path(model).name
+    results: dict = {"args": vars(args)}
+    work = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    replicas = start_replicas(args, model, work, 2)
+    header = f"{'run':<34}{'out tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TTFT p90':>10}{'failed':>7}"
+    try:
+        if args.skip != "scale-out":
+            warmup = make_workload("fixed", tokenizer, 2, seed=100, input_len=128, output_len=4)
+            print(f"\nscale-out: {args.num_prompts} prompts of ~128 tokens, {args.output_len} out, "
+                  f"concurrency {args.concurrency}\n{header}")
+            for count in (1, 2):  # a seed each: the second run must not hit the first one's cache
+                workload = make_workload("fixed", tokenizer, args.num_prompts, seed=count, input_len=128,
+                                         output_len=args.output_len)
+                frontend, url = start_frontend(model, replicas[:count], "least-outstanding")
+                try:
+                    measure(url, model_name, warmup, 2, 0)
+                    summary = measure(url, model_name, workload, args.concurrency, 0)
+                finally:
+                    stop(frontend)
+                results[f"replicas={count}"] = summary
+                print(row(f"{count} replica{'s' if count > 1 else ''}", summary), flush=True)
+        if args.skip != "routing":
+            print(f"\nrouting: 4 system prompts (256 tokens) x 16 questions, {args.output_len} out, "
+                  f"concurrency {args.concurrency}, 2 replicas\n{header}  prefix-cache hits")
+            for seed, routing in enumerate(ROUTINGS, start=1):
+                workload = system_prompt_workload(tokenizer, seed, args.output_len)
+                frontend, url = start_frontend(model, replicas, routing)
+                before, before_split = counters(replicas), per_replica_requests(replicas)
+                try:
+                    summary = measure(url, model_name, workload, args.concurrency, seed)
+                finally:
+                    stop(frontend)
+                after, after_split = counters(replicas), per_replica_requests(replicas)
+                hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
+                queries = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
+                split = [a - b for a, b in zip(after_split, before_split)]
+                summary.update(prefix_cache_hit_rate=hits / queries, requests_per_replica=split)
+                results[f"routing={routing}"] = summary
+                print(row(routing, summary, f"{hits / queries:.3f}  (requests per replica {split})"), flush=True)
+    finally:
+        for replica in replicas:
+            replica.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
