@@ -21,6 +21,8 @@ from backend.request import Request
 from backend.sampling import Sampler
 from backend.sampling_params import SamplingParams
 from backend.scheduler import Scheduler
+from backend.spec_decode import SpeculativeDecoder, accepted_tokens, verification_rows
+from backend.structured_output import GrammarCompiler, RequestGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,10 @@ class LLMEngine:
                                    config.scheduling_policy)
         self.sampler = Sampler(config.seed)
         self.metrics = EngineMetrics()
+        self.spec = None if config.speculative_config is None else SpeculativeDecoder(
+            config, self.runner, self.kv_cache, self.metrics, self.max_model_len)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.parents: dict[str, ParentRequest] = {}
         self.held_siblings: dict[str, list[ChildState]] = {}  # n > 1: samples not yet queued
         self.children: dict[str, tuple[ParentRequest, ChildState]] = {}
@@ -118,6 +123,7 @@ class LLMEngine:
             raise ValueError(f"the request needs {needed} KV-cache blocks but only "
                              f"{self.kv_cache.num_blocks} exist; raise kv_cache_memory_bytes")
         params.all_stop_token_ids = self.eos_token_ids | set(params.stop_token_ids or ())
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         parent = ParentRequest(request_id, prompt_text, prompt_ids, params.output_kind)
         arrival_time = arrival_time or time.time()
         for index in range(params.n):
@@ -132,6 +138,8 @@ class LLMEngine:
             request = Request(child_id, prompt_text, prompt_ids, child_params, index=index,
                               parent_id=request_id, cache_salt=cache_salt, priority=priority,
                               arrival_time=arrival_time)
+            if grammar is not None:
+                request.grammar = RequestGrammar(grammar)
             detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)
             parent.children.append(ChildState(request, detokenizer))
         return parent
@@ -172,7 +180,7 @@ class LLMEngine:
             request = child.request
             if not request.is_finished:
                 request.finish_reason = "abort"
-                self.scheduler.finish(request)
+                self._finish(request)
             self.children.pop(request.request_id, None)
         self._update_gauges()
         return make_output(parent, None)
@@ -185,6 +193,8 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         if plan.preempted:
             self.metrics.registry.inc(self.metrics.num_preemptions, len(plan.preempted))
@@ -200,26 +210,36 @@ class LLMEngine:
             return []
         logits, sampled_requests = self.runner.execute(plan.scheduled)
         for request, num_new in plan.scheduled:
-            request.num_computed_tokens += num_new
+            request.num_computed_tokens += num_new - len(request.spec_token_ids)  # drafts: once accepted
             self.kv_cache.cache_full_blocks(request)
         if self.held_siblings:
             self._release_siblings()
-        result = self.sampler(logits, sampled_requests) if sampled_requests else None
+        result = self.sampler(logits, verification_rows(sampled_requests)) if sampled_requests else None
 
         updated: dict[str, set[int]] = {}
-        for row, request in enumerate(sampled_requests):
+        row = 0
+        for request in sampled_requests:
             parent, child = self.children[request.request_id]
             if request.num_output_tokens == 0:
                 self.metrics.registry.inc(self.metrics.prompt_tokens, request.num_prompt_tokens)
                 self._observe(self.metrics.time_to_first_token, time.time() - request.metrics.arrival_time)
             elif request.metrics.last_token_time is not None:
                 self._observe(self.metrics.inter_token_latency, time.time() - request.metrics.last_token_time)
-            append_token(child, result.token_ids[row], result.logprobs[row], self.eos_token_ids,
-                         self.max_model_len)
-            self.metrics.registry.inc(self.metrics.generation_tokens)
+            drafts = request.spec_token_ids
+            tokens = accepted_tokens(drafts, result.token_ids[row:row + 1 + len(drafts)])
+            for i, token in enumerate(tokens):
+                append_token(child, token, result.logprobs[row + i], self.eos_token_ids, self.max_model_len)
+                if request.grammar is not None:
+                    request.grammar.advance(request, token)
+                self.metrics.registry.inc(self.metrics.generation_tokens)
+                if request.finish_reason is not None:
+                    break  # accepted tokens after a stop are dropped
+            row += 1 + len(drafts)
+            if drafts:
+                self.spec.verified(request, len(tokens) - 1)
             updated.setdefault(parent.request_id, set()).add(request.index)
             if request.finish_reason is not None:
-                self.scheduler.finish(request)
+                self._finish(request)
                 request.metrics.finished_time = time.time()
 
         outputs = []
@@ -232,6 +252,11 @@ class LLMEngine:
                 self._retire(parent)
         self._update_gauges()
         return outputs
+
+    def _finish(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        if self.spec is not None:
+            self.spec.finish(request)
 
     def _retire(self, parent: ParentRequest) -> None:
         del self.parents[parent.request_id]
@@ -252,3 +277,7 @@ class LLMEngine:
 
     def get_metrics(self):
         return self.metrics.registry.snapshot()
+
+    def shutdown(self) -> None:
+        """Stop the tensor/pipeline-parallel worker ranks, if any (idempotent)."""
+        self.runner.shutdown()

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from backend.outputs import RequestMetrics, SampleLogprobs
 from backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from backend.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +56,8 @@ class Request:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+        self.grammar: RequestGrammar | None = None  # structured outputs: where the sample is in its grammar
+        self.spec_token_ids: list[int] = []  # speculative decoding: drafts for the next step to verify
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
 
     @property

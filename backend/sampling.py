@@ -1,10 +1,12 @@
 """Sampler: logits -> next tokens (and logprobs) for a whole batch at once.
 
-Processing order follows vLLM: raw logprobs are taken from the model's logits before anything
-changes them; then min_tokens suppression, logit_bias and penalties; then greedy rows take the
-argmax while the others go through temperature, top-k, top-p and min-p and draw with the
-exponential-race trick (argmax of probs / Exp(1) noise), which lets a seeded request draw its
-noise from its own generator so its tokens do not depend on its batch mates.
+Processing order follows vLLM: structured outputs first set to -inf what their grammars forbid
+(one bitmask for the batch, built only when some request is constrained), so greedy and sampled
+tokens alike obey them; raw logprobs are taken from those logits before anything else changes them;
+then min_tokens suppression, logit_bias and penalties; then greedy rows take the argmax while the
+others go through temperature, top-k, top-p and min-p and draw with the exponential-race trick
+(argmax of probs / Exp(1) noise), which lets a seeded request draw its noise from its own generator
+so its tokens do not depend on its batch mates.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.request import Request
+from backend.structured_output import apply_grammar_bitmask
 
 
 @dataclass
@@ -30,6 +33,9 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         params = [r.params for r in requests]
+        constrained = [row for row, r in enumerate(requests) if r.grammar is not None]
+        if constrained:
+            apply_grammar_bitmask(logits, requests, constrained)
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
 
@@ -74,7 +80,9 @@ class Sampler:
     def _suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
         for row, request in enumerate(requests):
             params = request.params
-            if request.num_output_tokens < params.min_tokens:
+            # A completed grammar may end before min_tokens: its stop token may be all it allows.
+            if request.num_output_tokens < params.min_tokens \
+                    and not (request.grammar is not None and request.grammar.is_completed()):
                 stop_ids = set(params.stop_token_ids or ()) | params.all_stop_token_ids
                 if stop_ids:
                     logits[row, list(stop_ids)] = float("-inf")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -14,6 +15,72 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries everything generated so far
     DELTA = 1       # every output carries only what is new since the previous one
     FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrained decoding, vLLM's names: exactly one of `json` (a JSON schema, as a dict or its
+    text), `regex`, `choice` (the output is one of these strings), `grammar` (EBNF / GBNF) or
+    `json_object` (any JSON object). Checked for shape here; the engine compiles the grammar and
+    refuses one it cannot compile."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {kinds or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"structured_outputs: json is not valid JSON ({error})") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"structured_outputs: json must be a JSON schema object, got {self.json!r:.80}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs: {name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs: choice must be a list of non-empty strings")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs: disable_any_whitespace must be a boolean")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec as text): what identifies the compiled grammar."""
+        if self.json is not None:
+            kind = "json_compact" if self.disable_any_whitespace else "json"
+            return kind, json.dumps(self.json)  # key order matters: it is the output order
+        if self.json_object:
+            return ("json_object_compact" if self.disable_any_whitespace else "json_object"), ""
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
+
+    @classmethod
+    def from_value(cls, value: Any) -> "StructuredOutputsParams":
+        """From a dict (or its JSON text), as `sampling_parameters` carries it."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"structured_outputs: not valid JSON ({error})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs: must be an object, got {value!r:.80}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**{k: v for k, v in value.items() if v is not None})
 
 
 @dataclass
@@ -37,6 +104,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Set by the engine, never by users: end-of-sequence ids from the model's generation config.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -49,6 +117,8 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -115,7 +185,7 @@ class SamplingParams:
         cast = {}
         for name, value in values.items():
             type_name = known[name].type
-            if isinstance(value, str) and name in ("stop",):
+            if name in ("stop", "structured_outputs"):
                 cast[name] = value
             elif isinstance(value, str) and name == "stop_token_ids":
                 cast[name] = [int(v) for v in value.strip("[]").split(",") if v.strip()]

@@ -49,6 +49,7 @@ class Settings:
     max_body_bytes: int = 1 << 20
     embeddings_model_name: str = EMBEDDINGS_MODEL_NAME
     log_requests: bool = False  # log prompts and completions (clients' data: off unless asked)
+    tool_call_parser: str = "hermes"  # the model's tool-call format (openai_frontend/tool_parsers.py)
 
     def resolved(self) -> "Settings":
         model = self.model

@@ -25,12 +25,33 @@ PASSED_THROUGH = ("n", "temperature", "top_p", "presence_penalty", "frequency_pe
                   "include_stop_str_in_output", "skip_special_tokens")
 
 
+def structured_outputs(request: SamplingRequest) -> tuple[dict | None, str | None]:
+    """OpenAI's `response_format` or vLLM's `structured_outputs` -> the engine's structured_outputs,
+    and the parameter to name when the engine refuses it (an invalid schema, regex or grammar)."""
+    response_format = request.response_format
+    if response_format is not None and response_format.type != "text":
+        if request.structured_outputs is not None:
+            raise invalid("response_format", "response_format: give it or structured_outputs, not both")
+        if response_format.type == "json_object":
+            return {"json_object": True}, "response_format"
+        if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+            raise invalid("response_format.json_schema", "response_format.json_schema: needs `schema`, "
+                                                         "a JSON schema")
+        return {"json": response_format.json_schema.schema_}, "response_format"
+    if request.structured_outputs is not None:
+        return request.structured_outputs.model_dump(by_alias=True, exclude_none=True), "structured_outputs"
+    return None, None
+
+
 def sampling_parameters(request: SamplingRequest, *, max_tokens: int, logprobs: int | None,
-                        vocab_size: int) -> dict:
+                        vocab_size: int, structured: tuple[dict | None, str | None] = (None, None)) -> dict:
     """The `sampling_parameters` JSON for Triton, validated by the engine's own rules so that a bad
-    value is a 400 naming it here, not an error deep in Triton."""
+    value is a 400 naming it here, not an error deep in Triton. `structured`: the structured_outputs
+    and the request field they came from."""
     values = {name: getattr(request, name) for name in PASSED_THROUGH if getattr(request, name) is not None}
     values["max_tokens"] = max_tokens
+    if structured[0] is not None:
+        values["structured_outputs"] = structured[0]
     if logprobs is not None:
         values["logprobs"] = logprobs
     for stop in [request.stop] if isinstance(request.stop, str) else request.stop or ():
@@ -47,7 +68,8 @@ def sampling_parameters(request: SamplingRequest, *, max_tokens: int, logprobs: 
         SamplingParams.from_dict(values)
     except ValueError as error:  # "top_p must be in (0, 1], got 2.0"
         name = str(error).split(" ")[0].rstrip(":")
-        raise invalid(name if name in values else None, str(error)) from None
+        param = structured[1] if name == "structured_outputs" else name if name in values else None
+        raise invalid(param, str(error)) from None
     if request.cache_salt is not None:
         values["cache_salt"] = valid_text(request.cache_salt, "cache_salt")
     return values
@@ -133,13 +155,20 @@ async def merge(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int,
 
 
 async def start(triton: TritonClient, prompts: list[list[int]], parameters: list[dict], *, stream: bool,
-                prompt_param: str) -> tuple[tuple[int, Chunk], AsyncIterator[tuple[int, Chunk]]]:
+                prompt_param: str, structured_param: str | None = None
+                ) -> tuple[tuple[int, Chunk], AsyncIterator[tuple[int, Chunk]]]:
     """Send every prompt (with its sampling parameters) and wait for the first response, so that a
-    request Triton rejects still gets its HTTP status (not a 200 stream carrying an error)."""
+    request Triton rejects still gets its HTTP status (not a 200 stream carrying an error).
+    A structured output the engine cannot compile is named as the field it came from."""
     merged = merge([triton.generate(ids, params, stream=stream, prompt_param=prompt_param)
                     for ids, params in zip(prompts, parameters)])
     try:
         first = await merged.__anext__()
+    except OpenAIError as error:
+        await merged.aclose()
+        if error.param == "structured_outputs" and structured_param:
+            error.param = structured_param
+        raise
     except BaseException:
         await merged.aclose()
         raise

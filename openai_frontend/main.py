@@ -15,6 +15,7 @@ from dataclasses import fields
 
 from openai_frontend.app import Settings, build_app
 from openai_frontend.replicas import ROUTING
+from openai_frontend.tool_parsers import PARSERS
 
 API_KEY_ENV = "TRITONLLM_API_KEY"
 HELP = {
@@ -36,6 +37,8 @@ HELP = {
     "max_body_bytes": "largest request body accepted (413 above)",
     "embeddings_model_name": "the embeddings model's id for clients",
     "log_requests": "log prompts and completions (never logged otherwise)",
+    "tool_call_parser": "how tool calls are written in the model's output: hermes (<tool_call>{...}</tool_call>) "
+                        "or json",
 }
 
 
@@ -54,7 +57,7 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, str]:
         default = os.environ.get(API_KEY_ENV) if f.name == "api_key" else f.default
         help_text = HELP[f.name] if "default" in HELP[f.name] else f"{HELP[f.name]} (default: {f.default})"
         parser.add_argument(flag, type=kind, default=default, help=help_text,
-                            choices=ROUTING if f.name == "routing" else None)
+                            choices={"routing": ROUTING, "tool_call_parser": sorted(PARSERS)}.get(f.name))
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     args = parser.parse_args(argv)
     return Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)}), args.log_level

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from openai_frontend.errors import context_length_error, invalid
+from openai_frontend.tool_parsers import ToolParser, inline_tools
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only
 
@@ -47,18 +48,29 @@ class PromptBuilder:
             raise invalid(param, f"{param}: token ids must be integers in [0, {self.vocab_size})")
         return token_ids
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                    continue_final_message: bool) -> tuple[str, list[int]]:
-        """The chat template's text and its token ids (the template writes the special tokens)."""
+    @property
+    def template_knows_tools(self) -> bool:
+        return "tools" in (self.tokenizer.chat_template or "")
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                    tools: list[dict] | None = None, tool_parser: ToolParser | None = None) -> tuple[str, list[int]]:
+        """The chat template's text and its token ids (the template writes the special tokens).
+        Tools go to a template that knows them; for one that does not, `tool_parser` writes them,
+        and earlier calls and results, into the messages."""
         if self.tokenizer.chat_template is None:
             raise invalid("messages", "this model has no chat template; use /v1/completions")
+        extra = {}
+        if self.template_knows_tools:
+            extra = {"tools": tools} if tools else {}
+        elif tool_parser is not None:
+            messages = inline_tools(messages, tools, tool_parser)
         if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
             raise invalid("continue_final_message", "continue_final_message needs a final assistant "
                           "message and add_generation_prompt false")
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message)
+                continue_final_message=continue_final_message, **extra)
         except Exception as error:  # a template may raise on messages it does not accept
             raise invalid("messages", f"messages: the chat template rejected them: {error}") from None
         return text, self.tokenizer(valid_text(text, "messages"), add_special_tokens=False).input_ids

@@ -21,6 +21,28 @@ class StreamOptions(Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Request):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingRequest(Request):
     """Fields shared by completions and chat: OpenAI's sampling knobs plus vLLM's extras."""
     model: str
@@ -46,6 +68,8 @@ class SamplingRequest(Request):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -60,14 +84,44 @@ class ContentPart(Request):
     text: str | None = None
 
 
+class FunctionCall(Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Request):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: which call this answers
 
 
-class ResponseFormat(Request):
-    type: Literal["text", "json_object"]
+class FunctionDefinition(Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; none: the function takes no arguments
+    strict: bool | None = None
+
+
+class Tool(Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(Request):
+    name: str
+
+
+class NamedToolChoice(Request):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -76,7 +130,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -133,9 +189,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):

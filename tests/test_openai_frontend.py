@@ -336,7 +336,7 @@ ERROR_CASES = [
     ("chat/completions", {"max_tokens": 0}, 400, "max_tokens", None),
     ("chat/completions", {"top_logprobs": 2}, 400, "top_logprobs", None),
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
-    ("chat/completions", {"response_format": {"type": "json_schema"}}, 400, "response_format.type", None),
+    ("chat/completions", {"response_format": {"type": "json_schema"}}, 400, "response_format.json_schema", None),
     ("completions", {"logprobs": 21}, 400, "logprobs", None),
     ("completions", {"min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", None),
     ("completions", {"logit_bias": {"not-a-token": 1}}, 400, "logit_bias", None),

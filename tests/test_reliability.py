@@ -502,7 +502,7 @@ FRONTEND_BAD_INPUTS = [
     ("stream_options without stream", "completions", completion(stream_options={"include_usage": True}), 400,
      "stream_options", "only allowed when stream"),
     ("response_format xml", "chat/completions", chat(response_format={"type": "xml"}), 400, "response_format.type",
-     "'text' or 'json_object'"),
+     "'text', 'json_object' or 'json_schema'"),
     ("continue_final_message without one", "chat/completions",
      chat(continue_final_message=True, add_generation_prompt=False), 400, "continue_final_message", "final assistant"),
     ("nothing to embed", "embeddings", {"model": "all-MiniLM-L6-v2", "input": []}, 400, "input", "must not be empty"),

@@ -42,6 +42,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                          help=f"OpenAI frontend: require `Authorization: Bearer <key>` (default: ${API_KEY_ENV})")
     servers.add_argument("--log-requests", action="store_true",
                          help="OpenAI frontend: log prompts and completions (never logged otherwise)")
+    servers.add_argument("--tool-call-parser", default="hermes", choices=("hermes", "json"),
+                         help="the model's tool-call format, for the OpenAI frontend's tools support")
     servers.add_argument("--workdir", type=Path, default=None,
                          help="where the runtime model repository and Triton's log go (default: a temp folder)")
     servers.add_argument("--ready-timeout", type=float, default=600.0,
@@ -78,6 +80,7 @@ def start_frontend(args: argparse.Namespace, server: TritonServer,
             command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if getattr(args, "log_requests", False):
         command.append("--log-requests")
+    command += ["--tool-call-parser", args.tool_call_parser]
     env = dict(os.environ)
     env.pop(API_KEY_ENV, None)
     if args.api_key is not None:

@@ -10,7 +10,8 @@ from fastapi.responses import StreamingResponse
 
 from openai_frontend.errors import invalid
 from openai_frontend.generation import (Choices, check_stream_options, log_completion, log_request, logprob_value,
-                                        replay, sampling_parameters, sse_stream, start, unless_disconnected)
+                                        replay, sampling_parameters, sse_stream, start, structured_outputs,
+                                        unless_disconnected)
 from openai_frontend.schemas import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                      ErrorResponse)
 from openai_frontend.triton import TokenLogprob
@@ -52,8 +53,10 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
                for p in items]
     if not prompts or not all(prompts):
         raise invalid("prompt", "prompt: must not be empty")
+    structured = structured_outputs(body)
     parameters = [sampling_parameters(body, logprobs=body.logprobs, vocab_size=frontend.prompts.vocab_size,
-                                      max_tokens=frontend.prompts.max_tokens_for(len(ids), body.max_tokens, "prompt"))
+                                      max_tokens=frontend.prompts.max_tokens_for(len(ids), body.max_tokens, "prompt"),
+                                      structured=structured)
                   for ids in prompts]
     echoes = [p if isinstance(p, str) else frontend.prompts.decode(p) for p in items] if body.echo else None
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -62,7 +65,8 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
 
     if body.stream:
         first, rest = await unless_disconnected(raw_request, start(frontend.triton, prompts, parameters, stream=True,
-                                                                   prompt_param="prompt"))
+                                                                   prompt_param="prompt",
+                                                                   structured_param=structured[1]))
 
         async def events():
             offsets = [0] * len(choices.choices)
@@ -88,7 +92,8 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
         return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
 
     async def collect():
-        first, rest = await start(frontend.triton, prompts, parameters, stream=False, prompt_param="prompt")
+        first, rest = await start(frontend.triton, prompts, parameters, stream=False, prompt_param="prompt",
+                                  structured_param=structured[1])
         async for prompt_index, chunk in replay(first, rest):
             choices.update(prompt_index, chunk)
 

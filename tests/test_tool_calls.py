@@ -1,0 +1,160 @@
+"""Tool calls in chat: the parsers on whole and streamed text, the conversation rendered through
+chat templates with and without tool support, and calls coming back in OpenAI's format through the
+official SDK from a real `tritonllm serve` (tool_choice required and named, streamed or not)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from openai_frontend.prompts import PromptBuilder
+from openai_frontend.tool_parsers import HermesParser, JsonParser, ToolPlan
+from test_openai_frontend import API_KEY, _no_request_left_running, client, model_name, serve  # noqa: F401
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now, in UTC."}}
+TOOLS = [WEATHER, TIME]
+QUESTION = [{"role": "user", "content": "What is the weather like in Paris?"}]
+HERMES_ANSWER = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+                 '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+def streamed(plan: ToolPlan, text: str, piece: int) -> tuple[str, list[dict]]:
+    """Feed `text` in pieces of `piece` characters: (content sent, tool-call deltas sent)."""
+    stream, deltas = plan.stream(), []
+    for start in range(0, len(text), piece):
+        deltas += stream.feed(text[start:start + piece])
+    deltas += stream.finish()
+    content = "".join(d.get("content", "") for d in deltas)
+    return content, [call for d in deltas for call in d.get("tool_calls", [])]
+
+
+def test_hermes_parser_reads_calls_and_text():
+    content, calls = HermesParser().parse(HERMES_ANSWER)
+    assert content.strip() == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {})]
+    assert len({c.id for c in calls}) == 2 and calls[0].id.startswith("call_")
+    assert HermesParser().parse("<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
+    assert HermesParser().parse("no calls, 1 < 2")[1] == []
+    cut_short = '<tool_call>\n{"name": "get_time", "parameters": {}}'  # EOS before the closing tag
+    assert [c.name for c in HermesParser().parse(cut_short)[1]] == ["get_time"]
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 13, 1000])
+def test_streamed_calls_equal_whole_ones_at_any_split(piece):
+    plan = ToolPlan(TOOLS, "auto", HermesParser(), parallel=True)
+    content, deltas = streamed(plan, HERMES_ANSWER, piece)
+    assert content.strip() == "Let me check."  # never a piece of a tag
+    assert [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "get_weather"), (1, "get_time")]
+    assert all(d["type"] == "function" and d["id"].startswith("call_") for d in deltas)
+    text = "plain answer < with a bracket <tool"
+    assert streamed(plan, text, piece) == (text, [])  # held back, then released at the end
+
+
+def test_json_parser_and_tool_choice_modes():
+    parser = JsonParser()
+    assert [c.name for c in parser.parse(' [{"name": "get_time", "arguments": {}}]')[1]] == ["get_time"]
+    assert parser.parse("It is sunny {really}") == ("It is sunny {really}", [])
+    named = ToolPlan(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, parser, parallel=True)
+    assert named.structured_outputs() == {"json": WEATHER["function"]["parameters"]}
+    content, deltas = streamed(named, '{"city": "Oslo", "unit": "celsius"}', 4)
+    assert content == "" and deltas[0]["function"]["name"] == "get_weather"
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"city": "Oslo", "unit": "celsius"}'
+    required = ToolPlan(TOOLS, "required", parser, parallel=False).structured_outputs()["json"]
+    assert required["maxItems"] == 1 and len(required["items"]["anyOf"]) == 2
+    assert ToolPlan(TOOLS, "none", parser, parallel=True).prompt_tools is None
+
+
+def test_tool_conversations_render_through_templates(model_path):
+    """SmolLM2's template knows no tools: they go into the system message in Hermes format. A
+    template that knows tools gets them, and the calls, as it expects."""
+    history = QUESTION + [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+        {"role": "tool", "content": '{"temperature": 21}', "tool_call_id": "call_1"}]
+    builder = PromptBuilder(model_path)
+    text, _ = builder.render_chat(history, True, False, TOOLS, HermesParser())
+    assert "<tools>" in text and '"name": "get_weather"' in text and "<|im_start|>system" in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text
+    assert '<|im_start|>user\n<tool_response>\n{"temperature": 21}\n</tool_response>' in text
+    builder.tokenizer.chat_template = (
+        "{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}\n"
+        "{% endfor %}")
+    text, _ = builder.render_chat(history, False, False, TOOLS, HermesParser())
+    assert text.startswith("TOOL get_weather\nTOOL get_time\nuser: What")
+    assert 'CALL get_weather {"city": "Paris", "unit": "celsius"}' in text and 'tool: {"temperature": 21}' in text
+
+
+# -- through the OpenAI SDK ----------------------------------------------------------------------
+def test_required_tool_call_through_the_sdk(client, model_name):
+    response = client.chat.completions.create(model=model_name, messages=QUESTION, tools=TOOLS,
+                                              tool_choice="required", temperature=0, max_tokens=100)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in ("get_weather", "get_time")
+    assert isinstance(json.loads(call.function.arguments), dict)
+
+    stream = client.chat.completions.create(model=model_name, messages=QUESTION, tools=TOOLS,
+                                            tool_choice="required", temperature=0, max_tokens=100, stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    deltas = [call for c in chunks for call in c.delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert chunks[-1].finish_reason == "tool_calls"
+
+
+def test_named_tool_call_through_the_sdk(client, model_name):
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    response = client.chat.completions.create(model=model_name, messages=QUESTION, tools=TOOLS, tool_choice=forced,
+                                              temperature=0, max_tokens=100)
+    choice = response.choices[0]
+    call = choice.message.tool_calls[0]
+    assert choice.finish_reason == "stop"  # as OpenAI answers a forced function
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+
+    stream = client.chat.completions.create(model=model_name, messages=QUESTION, tools=TOOLS, tool_choice=forced,
+                                            temperature=0, max_tokens=100, stream=True)
+    deltas = [call for c in stream if c.choices for call in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
+def test_tool_results_continue_the_conversation(client, model_name):
+    first = client.chat.completions.create(model=model_name, messages=QUESTION, tools=TOOLS,
+                                           tool_choice="required", temperature=0, max_tokens=100)
+    call = first.choices[0].message.tool_calls[0]
+    messages = QUESTION + [first.choices[0].message.model_dump(exclude_none=True),
+                           {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    answer = client.chat.completions.create(model=model_name, messages=messages, tools=TOOLS, tool_choice="none",
+                                            temperature=0, max_tokens=20)
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("changes, param", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "objekt"}}}]}, "tools"),
+    ({"messages": QUESTION + [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
+        "name": "get_time", "arguments": "{oops"}}]}]}, "messages[1].tool_calls[0].function.arguments"),
+])
+def test_bad_tool_requests_are_400(serve, model_name, changes, param):
+    body = {"model": model_name, "messages": QUESTION, "tools": TOOLS, "max_tokens": 5, **changes}
+    response = httpx.post(f"{serve.url}/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
