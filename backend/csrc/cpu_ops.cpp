@@ -1,0 +1,342 @@
+// The CPU path's hot ops in plain C++: no torch headers, so the library builds in about a second
+// with the system compiler (backend/cpu_ops.py builds, caches and loads it through ctypes).
+//
+// Every op matches its torch reference in backend/kernels/reference.py: float32 arithmetic, each
+// product rounded to the activation type where Hugging Face rounds it. Rows may be strided (views
+// of the fused QKV projection); heads within a row are packed. OpenMP here resolves to the runtime
+// torch already loaded (same soname), so kernels share torch's threads rather than adding more.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+struct bf16 {
+  uint16_t bits;
+};
+
+// 16 float lanes in GCC's generic vectors: one AVX-512 register here, split by the compiler
+// where the CPU has narrower ones. Rows are whole vectors (the Python side checks size % 16).
+constexpr int64_t kLanes = 16;
+typedef float vfloat __attribute__((vector_size(64)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint16_t vhalf __attribute__((vector_size(32)));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vfloat load(const bf16* p) {  // bfloat16 is the top half of a float32
+  vhalf h;
+  std::memcpy(&h, p, sizeof h);
+  vuint u = __builtin_convertvector(h, vuint) << 16;
+  vfloat v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+inline void store(bf16* p, vfloat v) {  // round to nearest even, NaN kept quiet, as torch does
+  vuint u;
+  std::memcpy(&u, &v, sizeof u);
+  vuint rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  vuint is_nan = (vuint)(v != v);
+  rounded = (is_nan & 0x7fc0u) | (~is_nan & rounded);
+  vhalf h = __builtin_convertvector(rounded, vhalf);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// The value an op computed in T holds: float32 rounded to T (nearest even) and widened again.
+template <typename T> inline vfloat round_to(vfloat v);
+template <> inline vfloat round_to<float>(vfloat v) { return v; }
+template <> inline vfloat round_to<bf16>(vfloat v) {
+  vuint u;
+  std::memcpy(&u, &v, sizeof u);
+  vuint rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  vfloat r;
+  std::memcpy(&r, &rounded, sizeof r);
+  return v != v ? v : r;
+}
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+// Horizontal reductions in four shuffle steps (lane i meets lane i ^ 8, ^ 4, ^ 2, ^ 1).
+template <typename Op> inline float reduce_lanes(vfloat v, Op op) {
+  const vint swap8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const vint swap4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const vint swap2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const vint swap1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  v = op(v, __builtin_shuffle(v, swap8));
+  v = op(v, __builtin_shuffle(v, swap4));
+  v = op(v, __builtin_shuffle(v, swap2));
+  return op(v, __builtin_shuffle(v, swap1))[0];
+}
+inline float sum_lanes(vfloat v) { return reduce_lanes(v, [](vfloat a, vfloat b) { return a + b; }); }
+inline float max_lanes(vfloat v) { return reduce_lanes(v, [](vfloat a, vfloat b) { return a > b ? a : b; }); }
+
+constexpr int64_t kParallelElements = 1 << 16;  // smaller ops run on one thread: forking costs more
+
+// norm(x) * weight; with a residual, residual_out = x + residual first and the norm of that.
+template <typename T>
+void rms_norm(T* out, T* residual_out, const T* x, int64_t x_stride, const T* residual,
+              const T* weight, int64_t rows, int64_t size, float eps) {
+#pragma omp parallel for if (rows * size >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* in = x + r * x_stride;
+    const T* source = in;
+    if (residual != nullptr) {
+      for (int64_t i = 0; i < size; i += kLanes)
+        store(residual_out + r * size + i, load(in + i) + load(residual + r * size + i));
+      source = residual_out + r * size;
+    }
+    vfloat squares{};
+    for (int64_t i = 0; i < size; i += kLanes) {
+      vfloat v = load(source + i);
+      squares += v * v;
+    }
+    vfloat inv = splat(1.f / std::sqrt(sum_lanes(squares) / float(size) + eps));
+    for (int64_t i = 0; i < size; i += kLanes)
+      store(out + r * size + i, load(weight + i) * round_to<T>(load(source + i) * inv));
+  }
+}
+
+// x * cos + rotate_half(x) * sin, each product rounded to T (HF's rotate_half form).
+template <typename T>
+inline void rotate_row(T* out, const T* in, const T* cos, const T* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; i += kLanes) {
+    vfloat low = load(in + i), high = load(in + half + i);
+    store(out + i, round_to<T>(low * load(cos + i)) + round_to<T>(-high * load(sin + i)));
+    store(out + half + i, round_to<T>(high * load(cos + half + i)) + round_to<T>(low * load(sin + half + i)));
+  }
+}
+
+template <typename T>
+void rotary(T* q_out, T* k_out, const T* q, int64_t q_stride, const T* k, int64_t k_stride,
+            const T* cos, const T* sin, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim) {
+#pragma omp parallel for if (tokens * (heads + kv_heads) * dim >= kParallelElements)
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h)
+      rotate_row(q_out + (t * heads + h) * dim, q + t * q_stride + h * dim, cos + t * dim, sin + t * dim, dim);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      rotate_row(k_out + (t * kv_heads + h) * dim, k + t * k_stride + h * dim, cos + t * dim, sin + t * dim, dim);
+  }
+}
+
+// key/value [tokens, kv_heads, dim] (rows strided) into the layer's cache
+// [2, kv_heads, num_slots, dim] at slot_mapping; negative slots are padding.
+template <typename T>
+void reshape_and_cache(T* cache, const T* key, int64_t key_stride, const T* value, int64_t value_stride,
+                       const int64_t* slot_mapping, int64_t tokens, int64_t kv_heads, int64_t dim,
+                       int64_t num_slots) {
+  T* value_cache = cache + kv_heads * num_slots * dim;
+  for (int64_t t = 0; t < tokens; ++t) {
+    int64_t slot = slot_mapping[t];
+    if (slot < 0) continue;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      std::memcpy(cache + (h * num_slots + slot) * dim, key + t * key_stride + h * dim, dim * sizeof(T));
+      std::memcpy(value_cache + (h * num_slots + slot) * dim, value + t * value_stride + h * dim, dim * sizeof(T));
+    }
+  }
+}
+
+// Sums of 16 vectors at once: lane i of the result is the sum of the lanes of parts[kReversed[i]].
+// Four rounds of pairwise shuffles and adds instead of 16 separate horizontal sums.
+constexpr int kReversed[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+// Per 2w-lane segment: [x's low w lanes + x's high w lanes, the same of y]. `low` picks
+// the low halves; adding w picks the high ones.
+template <int W> inline vfloat fold(vfloat x, vfloat y);
+template <> inline vfloat fold<8>(vfloat x, vfloat y) {
+  const vint low = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  return __builtin_shuffle(x, y, low) + __builtin_shuffle(x, y, low + 8);
+}
+template <> inline vfloat fold<4>(vfloat x, vfloat y) {
+  const vint low = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  return __builtin_shuffle(x, y, low) + __builtin_shuffle(x, y, low + 4);
+}
+template <> inline vfloat fold<2>(vfloat x, vfloat y) {
+  const vint low = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  return __builtin_shuffle(x, y, low) + __builtin_shuffle(x, y, low + 2);
+}
+template <> inline vfloat fold<1>(vfloat x, vfloat y) {
+  const vint low = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  return __builtin_shuffle(x, y, low) + __builtin_shuffle(x, y, low + 1);
+}
+
+inline vfloat sum_each(vfloat p[kLanes]) {
+  for (int i = 0; i < 8; ++i) p[i] = fold<8>(p[2 * i], p[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) p[i] = fold<4>(p[2 * i], p[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) p[i] = fold<2>(p[2 * i], p[2 * i + 1]);
+  return fold<1>(p[0], p[1]);
+}
+
+// exp on 16 lanes: 2^n * e^r with |r| <= ln2 / 2 and a degree-6 polynomial (Cephes' expf,
+// a few ulp), for softmax and silu. Inputs are clamped to [-87, 88]: e^x is then (almost) 0 below
+// and a huge finite number above, where callers only divide by it.
+inline vfloat exp_lanes(vfloat x) {
+  x = x < -87.f ? splat(-87.f) : x;
+  x = x > 88.f ? splat(88.f) : x;
+  vfloat n = x * 1.44269504088896341f;
+  n = __builtin_convertvector(__builtin_convertvector(n + (n < 0.f ? splat(-0.5f) : splat(0.5f)), vint), vfloat);
+  vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vfloat poly = splat(1.9875691500e-4f);
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  poly = poly * r * r + r + 1.f;
+  vint exponent = (__builtin_convertvector(n, vint) + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &exponent, sizeof scale);
+  return poly * scale;
+}
+
+// x [rows, 2 * size] (gate, then up) -> silu(gate) * up, silu rounded to T first as torch does.
+template <typename T>
+void silu_and_mul(T* out, const T* x, int64_t rows, int64_t size) {
+#pragma omp parallel for if (rows * size >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = x + r * 2 * size;
+    for (int64_t i = 0; i < size; i += kLanes) {
+      vfloat g = load(gate + i);
+      store(out + r * size + i, round_to<T>(g / (1.f + exp_lanes(-g))) * load(gate + size + i));
+    }
+  }
+}
+
+// One (sequence, KV head) of decode attention: its G query heads share each key and value row
+// while it is in cache. One pass with an online softmax over 16 positions at a time, whose scores
+// form one vector. G and V (= dim / 16) are template arguments so everything lives in registers.
+template <typename T, int G, int V>
+__attribute__((optimize("fp-contract=fast")))  // FMAs: attention need not match torch bit for bit
+void decode_one(T* out, const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
+                int64_t len, int64_t block_size, float scale) {
+  constexpr int64_t dim = V * kLanes;
+  vfloat q[G][V], acc[G][V] = {}, dots[G][kLanes];
+  float max[G], sum[G] = {};
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < V; ++j) q[g][j] = load(query + g * dim + j * kLanes);
+    max[g] = -INFINITY;
+  }
+  const T* keys[kLanes];
+  for (int64_t start = 0; start < len; start += kLanes) {
+    const int64_t count = std::min<int64_t>(len - start, kLanes);
+    for (int64_t p = 0; p < count; ++p) {
+      const int64_t pos = start + p;
+      keys[p] = key_cache + (int64_t(table[pos / block_size]) * block_size + pos % block_size) * dim;
+    }
+    for (int64_t p = 0; p < kLanes; ++p) {  // each query head's 16 partial dot products per position
+      vfloat partial[G] = {};
+      if (p < count)
+        for (int j = 0; j < V; ++j) {
+          vfloat key = load(keys[p] + j * kLanes);
+          for (int g = 0; g < G; ++g) partial[g] += q[g][j] * key;
+        }
+      for (int g = 0; g < G; ++g) dots[g][kReversed[p]] = partial[g];
+    }
+    vfloat probs[G];
+    for (int g = 0; g < G; ++g) {
+      vfloat scores = sum_each(dots[g]) * scale;
+      for (int64_t p = count; p < kLanes; ++p) scores[p] = -INFINITY;
+      float new_max = std::max(max[g], max_lanes(scores));
+      float correction = std::exp(max[g] - new_max);
+      probs[g] = exp_lanes(scores - new_max);
+      for (int64_t p = count; p < kLanes; ++p) probs[g][p] = 0.f;
+      sum[g] = sum[g] * correction + sum_lanes(probs[g]);
+      max[g] = new_max;
+      for (int j = 0; j < V; ++j) acc[g][j] *= correction;
+    }
+    for (int64_t p = 0; p < count; ++p) {
+      const T* value = value_cache + (keys[p] - key_cache);
+      for (int j = 0; j < V; ++j) {
+        vfloat row = load(value + j * kLanes);
+        for (int g = 0; g < G; ++g) acc[g][j] += probs[g][p] * row;
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < V; ++j) store(out + g * dim + j * kLanes, acc[g][j] / sum[g]);
+}
+
+template <typename T>
+using DecodeOne = void (*)(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, float);
+
+template <typename T, int V>
+DecodeOne<T> pick_group(int64_t group) {
+  switch (group) {
+    case 1: return decode_one<T, 1, V>;
+    case 2: return decode_one<T, 2, V>;
+    case 3: return decode_one<T, 3, V>;
+    case 4: return decode_one<T, 4, V>;
+    case 5: return decode_one<T, 5, V>;
+    case 6: return decode_one<T, 6, V>;
+    case 7: return decode_one<T, 7, V>;
+    case 8: return decode_one<T, 8, V>;
+    default: return nullptr;
+  }
+}
+
+// query [seqs, heads, dim] packed; cache [2, kv_heads, num_blocks, block_size, dim]. The Python
+// side only calls with dim 64 or 128 and at most 8 query heads per KV head.
+template <typename T>
+void paged_attention_decode(T* out, const T* query, const T* cache, const int32_t* block_tables,
+                            int64_t table_width, const int32_t* seq_lens, int64_t seqs, int64_t heads,
+                            int64_t kv_heads, int64_t dim, int64_t num_blocks, int64_t block_size,
+                            float scale) {
+  const int64_t group = heads / kv_heads, head_cache = num_blocks * block_size * dim;
+  DecodeOne<T> one = dim == 64 ? pick_group<T, 4>(group) : pick_group<T, 8>(group);
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t item = 0; item < seqs * kv_heads; ++item) {
+    const int64_t s = item / kv_heads, kvh = item % kv_heads;
+    const int64_t offset = (s * heads + kvh * group) * dim;
+    one(out + offset, query + offset, cache + kvh * head_cache, cache + (kv_heads + kvh) * head_cache,
+        block_tables + s * table_width, seq_lens[s], block_size, scale);
+  }
+}
+
+}  // namespace
+
+// The C entry points: one per op and element type (f32, bf16), pointers in, nothing returned.
+#define EXPORT(T, SUFFIX)                                                                            \
+  extern "C" void rms_norm_##SUFFIX(void* out, const void* x, int64_t x_stride, const void* weight,   \
+                                    int64_t rows, int64_t size, float eps) {                          \
+    rms_norm<T>((T*)out, nullptr, (const T*)x, x_stride, nullptr, (const T*)weight, rows, size, eps); \
+  }                                                                                                  \
+  extern "C" void add_rms_norm_##SUFFIX(void* out, void* residual_out, const void* x,                \
+                                        int64_t x_stride, const void* residual, const void* weight,  \
+                                        int64_t rows, int64_t size, float eps) {                      \
+    rms_norm<T>((T*)out, (T*)residual_out, (const T*)x, x_stride, (const T*)residual,               \
+                (const T*)weight, rows, size, eps);                                                  \
+  }                                                                                                  \
+  extern "C" void rotary_##SUFFIX(void* q_out, void* k_out, const void* q, int64_t q_stride,         \
+                                  const void* k, int64_t k_stride, const void* cos, const void* sin, \
+                                  int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim) {    \
+    rotary<T>((T*)q_out, (T*)k_out, (const T*)q, q_stride, (const T*)k, k_stride, (const T*)cos,     \
+              (const T*)sin, tokens, heads, kv_heads, dim);                                          \
+  }                                                                                                  \
+  extern "C" void silu_and_mul_##SUFFIX(void* out, const void* x, int64_t rows, int64_t size) {      \
+    silu_and_mul<T>((T*)out, (const T*)x, rows, size);                                               \
+  }                                                                                                  \
+  extern "C" void reshape_and_cache_##SUFFIX(void* cache, const void* key, int64_t key_stride,       \
+                                             const void* value, int64_t value_stride,                \
+                                             const int64_t* slot_mapping, int64_t tokens,            \
+                                             int64_t kv_heads, int64_t dim, int64_t num_slots) {     \
+    reshape_and_cache<T>((T*)cache, (const T*)key, key_stride, (const T*)value, value_stride,        \
+                         slot_mapping, tokens, kv_heads, dim, num_slots);                            \
+  }                                                                                                  \
+  extern "C" void paged_attention_decode_##SUFFIX(                                                   \
+      void* out, const void* query, const void* cache, const int32_t* block_tables,                  \
+      int64_t table_width, const int32_t* seq_lens, int64_t seqs, int64_t heads, int64_t kv_heads,   \
+      int64_t dim, int64_t num_blocks, int64_t block_size, float scale) {                            \
+    paged_attention_decode<T>((T*)out, (const T*)query, (const T*)cache, block_tables, table_width, \
+                              seq_lens, seqs, heads, kv_heads, dim, num_blocks, block_size, scale); \
+  }
+
+EXPORT(float, f32)
+EXPORT(bf16, bf16)

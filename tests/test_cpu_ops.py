@@ -1,0 +1,128 @@
+"""The CPU path's C++ ops and packed linears against the torch references they replace."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend import cpu_ops
+from backend.attention import cache_views
+from backend.kernels import reference
+
+# Without a compiler the references run instead; with one, a failed build is a failure here.
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None and not os.environ.get("CXX"),
+                                reason="no C++ compiler: the torch references run instead")
+
+
+def test_library_builds_and_loads():
+    assert cpu_ops.available(), "the C++ ops did not build: see the warning logged by backend.cpu_ops"
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_match_reference(dtype):
+    torch.manual_seed(0)
+    wide = torch.randn(37, 3 * 576, dtype=dtype)
+    x = wide[:, 576:1152]  # strided rows, as a split of a fused projection
+    residual, weight = torch.randn(37, 576, dtype=dtype), torch.randn(576, dtype=dtype)
+    close(cpu_ops.rms_norm(x, weight, 1e-5), reference.rms_norm_reference(x, weight, 1e-5), dtype)
+    out, summed = cpu_ops.add_rms_norm(x, residual, weight, 1e-5)
+    expected_out, expected_sum = reference.add_rms_norm_reference(x, residual, weight, 1e-5)
+    assert torch.equal(summed, expected_sum)  # the residual stream is rounded exactly like torch's add
+    close(out, expected_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_matches_reference_exactly(dtype, head_dim):
+    torch.manual_seed(0)
+    tokens, heads, kv_heads = 11, 6, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    angles = torch.outer(torch.arange(100, 100 + tokens).float(), torch.rand(head_dim // 2))
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    for actual, expected in zip(cpu_ops.rotary_embedding(q, k, cos, sin),
+                                reference.rotary_embedding_reference(q, k, cos, sin)):
+        assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_matches_reference(dtype):
+    torch.manual_seed(0)
+    kv_heads, num_blocks, block_size, dim = 3, 10, 16, 64
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, dim, dtype=dtype)
+    kv = torch.randn(9, 2 * kv_heads * dim, dtype=dtype)
+    key, value = (t.view(9, kv_heads, dim) for t in kv.split(kv_heads * dim, dim=-1))
+    slots = torch.tensor([5, 17, 18, -1, 40, 159, 0, 77, -1])
+    expected = cache.clone()
+    reference.reshape_and_cache_reference(key, value, *cache_views(expected), slots)
+    cpu_ops.reshape_and_cache(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 64), (16, 2, 128), (4, 1, 128)])
+def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    num_blocks, block_size = 40, 16
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    seq_lens = torch.tensor([1, 15, 16, 17, 100, 33, 250], dtype=torch.int32)  # partial chunks, one token
+    width = -(-int(seq_lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in seq_lens]).to(torch.int32)
+    query = torch.randn(len(seq_lens), heads, head_dim, dtype=dtype)
+    actual = cpu_ops.paged_attention_decode(query, cache, tables, seq_lens, head_dim ** -0.5)
+    expected = reference.paged_attention_decode_reference(query, *cache_views(cache), tables, seq_lens,
+                                                          head_dim ** -0.5)
+    close(actual, expected, dtype)
+
+
+def test_decode_attention_ignores_blocks_beyond_each_sequence():
+    """Padding entries of the block table and slots past seq_len may hold anything, even NaN."""
+    torch.manual_seed(0)
+    cache = torch.full((2, 1, 4, 16, 64), float("nan"))
+    cache[:, :, 2, :5] = torch.randn(2, 1, 5, 64)
+    tables = torch.tensor([[2, 3]], dtype=torch.int32)
+    query = torch.randn(1, 2, 64)
+    out = cpu_ops.paged_attention_decode(query, cache, tables, torch.tensor([5], dtype=torch.int32), 0.125)
+    assert torch.isfinite(out).all()
+    expected = F.scaled_dot_product_attention(query.view(1, 2, 1, 64), cache[0, :, 2, :5].unsqueeze(0),
+                                              cache[1, :, 2, :5].unsqueeze(0), scale=0.125, enable_gqa=True)
+    close(out, expected.view(1, 2, 64), torch.float32)
+
+
+def test_packed_linear_equals_linear_in_bfloat16():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 960, bias=True).to(torch.bfloat16)
+    packed = cpu_ops.PackedLinear(linear, batch_size_hint=64)
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 576, dtype=torch.bfloat16)
+        assert torch.equal(packed(x), linear(x))
+
+
+def test_disabled_kernels_fall_back_to_references():
+    code = "from backend import cpu_ops; assert not cpu_ops.available(); print('ok')"
+    result = subprocess.run([sys.executable, "-c", code], env={"TRITONLLM_CPU_KERNELS": "0", "PATH": ""},
+                            capture_output=True, text=True, cwd=str(cpu_ops.SOURCE.parents[2]))
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(13, 2 * 1536, dtype=dtype) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.0])  # exp's range ends
+    close(cpu_ops.silu_and_mul(x), reference.silu_and_mul_reference(x), dtype)
