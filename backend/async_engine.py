@@ -63,6 +63,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tritonllm-engine", daemon=True)
         self._thread.start()
+        self.engine.runner.on_failure = self._worker_died
 
     # -- any thread -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -127,6 +128,14 @@ class AsyncLLMEngine:
             self._wakeup.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
+        self.engine.shutdown()
+
+    def _worker_died(self, message: str) -> None:
+        """A tensor/pipeline-parallel rank exited (its watchdog calls this): the engine is dead even
+        when idle, so that servers report it within a second rather than at the next request."""
+        with self._wakeup:
+            self._commands.append(("fail", message))
+            self._wakeup.notify()
 
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -140,6 +149,8 @@ class AsyncLLMEngine:
                 for command, argument in commands:
                     if command == "add":
                         self.engine.enqueue(argument)
+                    elif command == "fail":
+                        raise RuntimeError(argument)
                     else:
                         self._deliver(self.engine.abort_request(argument))
                 if stopping:

@@ -2,9 +2,10 @@
 new keys and values into their cache slots, then attend each query over its sequence's blocks.
 
 The step's tokens come flat: first one token per decoding sequence, then each prefill chunk in
-turn. Decodes run as one batched, masked attention over gathered blocks; prefill chunks run one at a
-time, reading straight from the new keys when nothing of the sequence is cached yet. On CUDA,
-`backend/ops.py` runs the Triton kernels on the same metadata instead.
+turn. Decodes run in the C++ kernel of `backend/cpu_ops.py`, which reads the blocks in place (or, where
+it does not apply, as one batched, masked attention over gathered blocks); prefill chunks run one at a
+time through SDPA, reading straight from the new keys when nothing of the sequence is cached yet. On
+CUDA, `backend/ops.py` runs the Triton kernels on the same metadata instead.
 
 The KV cache of a layer is [2, KVH, num_blocks, block_size, D]: each KV head's blocks together, so
 gathering a sequence's blocks yields [KVH, L, D] slabs that feed batched matmuls without a copy.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from backend import cpu_ops
 from backend.kernels.reference import gather_blocks, paged_attention_decode_reference
 
 
@@ -54,17 +56,28 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Returns [T, H * D]."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[1]
-    key_slots = kv_cache[0].view(num_kv_heads, -1, head_dim)  # [KVH, num_slots, D]
-    value_slots = kv_cache[1].view(num_kv_heads, -1, head_dim)
-    key_slots.index_copy_(1, meta.slot_mapping, key.transpose(0, 1))
-    value_slots.index_copy_(1, meta.slot_mapping, value.transpose(0, 1))
+    fused = (cpu_ops.supports(query) and head_dim in (64, 128) and num_heads // num_kv_heads <= 8
+             and kv_cache.dtype == query.dtype)  # an fp8 cache takes the torch path, converting at its edges
+    if fused:
+        cpu_ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+    else:
+        key_slots = kv_cache[0].view(num_kv_heads, -1, head_dim)  # [KVH, num_slots, D]
+        value_slots = kv_cache[1].view(num_kv_heads, -1, head_dim)
+        # Indexed assignment, not index_copy_, which has no float8 kernel on the CPU.
+        key_slots[:, meta.slot_mapping] = key.transpose(0, 1).to(kv_cache.dtype)
+        value_slots[:, meta.slot_mapping] = value.transpose(0, 1).to(kv_cache.dtype)
     key_cache, value_cache = cache_views(kv_cache)
     gqa = num_heads != num_kv_heads
 
     outputs = []
     if meta.num_decodes:
-        out = paged_attention_decode_reference(query[:meta.num_decodes], key_cache, value_cache,
-                                               meta.decode_block_tables, meta.decode_seq_lens, scale)
+        decode_query = query[:meta.num_decodes]
+        if fused:
+            out = cpu_ops.paged_attention_decode(decode_query, kv_cache, meta.decode_block_tables,
+                                                 meta.decode_seq_lens, scale)
+        else:
+            out = paged_attention_decode_reference(decode_query, key_cache, value_cache,
+                                                   meta.decode_block_tables, meta.decode_seq_lens, scale)
         outputs.append(out.view(meta.num_decodes, num_heads * head_dim))
     for span in meta.prefills:
         end = span.start + span.num_query_tokens
@@ -74,8 +87,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             v = value[span.start:end].transpose(0, 1).unsqueeze(0)
             mask, causal = None, True
         else:
-            k = gather_blocks(key_cache, span.block_table)[:, :span.context_len].unsqueeze(0)
-            v = gather_blocks(value_cache, span.block_table)[:, :span.context_len].unsqueeze(0)
+            k = gather_blocks(key_cache, span.block_table)[:, :span.context_len].to(query.dtype).unsqueeze(0)
+            v = gather_blocks(value_cache, span.block_table)[:, :span.context_len].to(query.dtype).unsqueeze(0)
             offset = span.context_len - span.num_query_tokens
             rows = torch.arange(span.num_query_tokens, device=query.device).unsqueeze(1) + offset
             mask, causal = torch.arange(span.context_len, device=query.device).unsqueeze(0) <= rows, False

@@ -14,6 +14,8 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+QUANTIZATION_METHODS = ("awq", "gptq", "fp8", "int8", "gguf")  # backend/quantization/
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -39,7 +41,21 @@ class EngineConfig:
     swap_space: float = field(default=4.0, metadata={"help": "GiB of CPU swap space for preemption_mode=swap"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel workers"})
     pipeline_parallel_size: int = field(default=1, metadata={"help": "pipeline-parallel stages"})
-    quantization: str | None = field(default=None, metadata={"help": "weight quantization method"})
+    nnodes: int = field(default=1, metadata={"help": "hosts the tensor x pipeline ranks span (multi-node)"})
+    node_rank: int = field(default=0, metadata={"help": "this host's index among nnodes; 0 runs the engine"})
+    master_addr: str | None = field(default=None, metadata={
+        "help": "rendezvous host of rank 0 (default: $MASTER_ADDR, else 127.0.0.1)"})
+    master_port: int | None = field(default=None, metadata={
+        "help": "rendezvous port (default: $MASTER_PORT, else a free port when single-node)"})
+    quantization: str | None = field(default=None, metadata={
+        "help": "weights: awq, gptq (from such checkpoints), fp8, int8 (a float checkpoint quantized at load); "
+                "default: the checkpoint's quantization_config (gguf for a .gguf model)"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "auto (the activation dtype) or fp8 (float8 E4M3, scale 1.0; CPU only for now)"})
+    speculative_config: str | dict | None = field(default=None, metadata={
+        "help": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} or {\"method\": \"draft_model\", "
+                "\"model\": PATH, \"num_speculative_tokens\": 4}"})
     skip_tokenizer_init: bool = field(default=False, metadata={"help": "token ids in, token ids out"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
 
@@ -68,6 +84,20 @@ class EngineConfig:
         check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
         check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be at least 1")
         check(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
+        check(self.quantization is None or self.quantization in QUANTIZATION_METHODS, "quantization",
+              f"must be one of {', '.join(QUANTIZATION_METHODS)}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        check(self.nnodes >= 1, "nnodes", "must be at least 1")
+        check(0 <= self.node_rank < self.nnodes, "node_rank", "must be in [0, nnodes)")
+        world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        check(world_size % self.nnodes == 0, "nnodes",
+              f"must divide tensor_parallel_size x pipeline_parallel_size ({world_size})")
+        if self.speculative_config is not None:
+            from backend.spec_decode import SpeculativeConfig  # only when asked for: it imports torch
+
+            speculative = SpeculativeConfig.parse(self.speculative_config)  # ValueError before anything starts
+            check(speculative.method != "draft_model" or world_size == 1, "speculative_config",
+                  "method draft_model runs without tensor/pipeline parallelism; use method ngram there")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
@@ -83,7 +113,10 @@ class EngineConfig:
 
     def resolved_model(self) -> str:
         if self.model:
-            return os.path.expanduser(self.model)
+            from backend.quantization.gguf import gguf_model_folder  # a .gguf: its config and tokenizer beside it
+
+            model = os.path.expanduser(self.model)
+            return str(gguf_model_folder(model) or model)
         from tools.prepare_model import prepare_model
         return str(prepare_model())
 

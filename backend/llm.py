@@ -79,3 +79,7 @@ class LLM:
 
     def get_metrics(self):
         return self.llm_engine.get_metrics()
+
+    def shutdown(self) -> None:
+        """Stop tensor/pipeline-parallel worker processes now (they also stop at interpreter exit)."""
+        self.llm_engine.shutdown()

@@ -2,6 +2,9 @@
 `backend/kernels/` for CUDA tensors, their torch references on the CPU. The model calls these
 functions and never asks which device it is on.
 
+On the CPU, the fused C++ ops of `backend/cpu_ops.py` run where they take the tensors (float32 or
+bfloat16, whole vectors), the torch references elsewhere.
+
 `triton_kernels()` sends CPU tensors through the Triton kernels too (run by Triton's interpreter),
 which is how the tests check the kernel path end to end without a GPU.
 """
@@ -14,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from backend import attention
+from backend import attention, cpu_ops
 from backend.attention import AttentionMetadata
 from backend.kernels import reference
 
@@ -50,6 +53,8 @@ def _triton() -> SimpleNamespace:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _use_triton(x):
         return _triton().rms_norm(x, weight, eps)
+    if cpu_ops.supports(x):
+        return cpu_ops.rms_norm(x, weight, eps)
     return reference.rms_norm_reference(x, weight, eps)
 
 
@@ -58,6 +63,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """(rms_norm(x + residual), x + residual)."""
     if _use_triton(x):
         return _triton().add_rms_norm(x, residual, weight, eps)
+    if cpu_ops.supports(x):
+        return cpu_ops.add_rms_norm(x, residual, weight, eps)
     return reference.add_rms_norm_reference(x, residual, weight, eps)
 
 
@@ -67,12 +74,16 @@ def rotary_embedding(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
     kernel rotates in place."""
     if _use_triton(query):
         return _triton().rotary_embedding(query, key, cos, sin)
+    if cpu_ops.supports(query, multiple=32):  # each half of a head in whole vectors
+        return cpu_ops.rotary_embedding(query, key, cos, sin)
     return reference.rotary_embedding_reference(query, key, cos, sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _use_triton(x):
         return _triton().silu_and_mul(x)
+    if cpu_ops.supports(x, multiple=32):  # gate and up in whole vectors
+        return cpu_ops.silu_and_mul(x)
     return reference.silu_and_mul_reference(x)
 
 
@@ -96,3 +107,14 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                         meta.prefill_query_starts, meta.prefill_seq_lens,
                                         meta.max_prefill_query_len, scale, out=out[num_decodes:])
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) for group-quantized integer weights (AWQ, GPTQ): qweight
+    [N, K * bits / 32] int32 packed along K, scales and zeros [N, G]. The fused Triton kernel on
+    CUDA; on the CPU the weight is dequantized for this call and handed to F.linear."""
+    if _use_triton(x):
+        from backend.kernels.quant_matmul import quant_matmul as kernel
+        return kernel(x, qweight, scales, zeros, bits, bias)
+    return reference.quant_matmul_reference(x, qweight, scales, zeros, bits, bias)

@@ -1,4 +1,4 @@
-"""The `tritonllm` command: prepare-model, serve, bench."""
+"""The `tritonllm` command: prepare-model, serve, worker, quantize, bench."""
 
 from __future__ import annotations
 
@@ -51,6 +51,17 @@ def main(argv: list[str] | None = None) -> int:
         serve.set_defaults(serve_missing=True)
     add_engine_arguments(serve)
 
+    worker = commands.add_parser("worker", help="run this host's tensor/pipeline-parallel ranks (multi-node)")
+    from tools.worker import add_arguments as add_worker_arguments
+    add_worker_arguments(worker)
+    add_engine_arguments(worker)
+
+    quantize = commands.add_parser("quantize", help="write an AWQ or GPTQ checkpoint of a float model",
+                                   description=__import__("tools.quantize").quantize.__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    from tools.quantize import add_arguments as add_quantize_arguments
+    add_quantize_arguments(quantize)
+
     bench = commands.add_parser("bench", help="throughput and latency against the baselines, in one run",
                                 description=__import__("tools.bench").bench.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from tools.serve import run_serve
         return run_serve(args)
+    if args.command == "worker":
+        from tools.worker import run_worker
+        try:
+            config = engine_config_from_args(args)
+        except ValueError as error:
+            print(f"tritonllm worker: {error}", file=sys.stderr)
+            return 2
+        return run_worker(config)
+    if args.command == "quantize":
+        from tools.quantize import run as run_quantize
+        return run_quantize(args)
     if args.command == "bench":
         from tools.bench import run
         return run(args)

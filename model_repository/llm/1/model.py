@@ -245,6 +245,8 @@ class TritonPythonModel:
 
     def _metrics_loop(self) -> None:
         while not self.stop_metrics.wait(METRICS_POLL_S):
+            if self.engine.errored:  # e.g. a tensor-parallel worker died while no request ran
+                self._on_engine_failure(repr(self.engine.error))
             if self.metrics is not None:
                 try:
                     self.metrics.update(self.engine.get_metrics())
