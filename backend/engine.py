@@ -21,7 +21,7 @@ from backend.request import Request
 from backend.sampling import Sampler
 from backend.sampling_params import SamplingParams
 from backend.scheduler import Scheduler
-from backend.spec_decode import SpeculativeDecoder, accepted_tokens, verification_rows
+from backend.spec_decode import SpeculativeDecoder, accepted_tokens
 from backend.structured_output import GrammarCompiler, RequestGrammar
 
 logger = logging.getLogger(__name__)
@@ -214,7 +214,8 @@ class LLMEngine:
             self.kv_cache.cache_full_blocks(request)
         if self.held_siblings:
             self._release_siblings()
-        result = self.sampler(logits, verification_rows(sampled_requests)) if sampled_requests else None
+        rows = sampled_requests if self.spec is None else self.spec.verification_rows(sampled_requests)
+        result = self.sampler(logits, rows) if rows else None
 
         updated: dict[str, set[int]] = {}
         row = 0

@@ -117,15 +117,25 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Drop the request's references, tail first. Uncached blocks are reused first; cached
         ones wait at the back of the queue so they can still be hit."""
-        for block_id in reversed(request.block_table):
+        self._release(request.block_table)
+        request.block_table = []
+        request.block_hashes = []
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the blocks past those holding the request's first `num_tokens` tokens (slots taken
+        for speculative tokens that were rejected; such blocks were never cached)."""
+        keep = self.blocks_needed(num_tokens)
+        self._release(request.block_table[keep:])
+        del request.block_table[keep:]
+
+    def _release(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
                 if block.hash is None:
                     self.free_blocks.move_to_end(block_id, last=False)
-        request.block_table = []
-        request.block_hashes = []
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's computed blocks to swap space: returns (device, swap) block pairs to

@@ -2,7 +2,8 @@
 
 Iteration-level continuous batching in vLLM v1's form: every step spends one token budget
 (`max_num_batched_tokens`), running requests first (a decode costs one token, an unfinished prompt
-its next chunk), then waiting requests in queue order while sequence slots, budget and free blocks
+its next chunk, a decode with speculative drafts 1 + its drafts, fewer or none when budget or
+blocks are short), then waiting requests in queue order while sequence slots, budget and free blocks
 allow. When blocks run out a victim is preempted (by priority, then recency): by recompute (its
 blocks are freed and it starts over) or by swap (its blocks are copied to CPU swap space and back
 on resume). A waiting request that does not fit may be passed over a bounded number of times so it
@@ -75,18 +76,25 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = request.num_tokens - request.num_computed_tokens
+            # A decode also verifies its speculative drafts, as many as the budget has room for.
+            drafts = request.spec_token_ids[:budget - 1] if num_new == 1 else []
+            request.spec_token_ids = []
             if num_new > budget and not self.enable_chunked_prefill:
                 continue
             num_new = min(num_new, budget)
-            while not self.kv_cache.allocate_slots(request, num_new):
+            while not self.kv_cache.allocate_slots(request, num_new + len(drafts)):
+                if drafts:  # no blocks for the drafts: decode without them before preempting anyone
+                    drafts = []
+                    continue
                 victim = self._choose_victim()
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                scheduled[request] = num_new
-                budget -= num_new
+                request.spec_token_ids = drafts
+                scheduled[request] = num_new + len(drafts)
+                budget -= num_new + len(drafts)
 
         # Admit waiting requests only in a step that preempted no one: otherwise the victim
         # would be re-admitted at once and preempt again.
@@ -126,6 +134,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         out.preempted.append(request)
         swap = self.kv_cache.swap_out(request) if self.preemption_mode == "swap" else None
         if swap is not None:

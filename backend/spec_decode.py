@@ -1,0 +1,267 @@
+"""Speculative decoding: a cheap proposer guesses a decoding request's next k tokens, the target model
+scores them all in the same step as everyone else (the request runs as a 1 + k token chunk), and the
+verified prefix is kept.
+
+Proposers: `ngram` (prompt lookup: copy what followed the latest earlier occurrence of the request's
+last n tokens) and `draft_model` (a smaller model of the same vocabulary, with its own KV cache,
+proposing its greedy tokens). Both drafts are one-hot (q(d) = 1), and for those speculative rejection
+sampling (accept d with probability min(1, p(d) / q(d)) = p(d), else sample from
+normalize(max(0, p - q)), which is p without d) is the same as sampling the target's token x ~ p at
+every position as usual and accepting the draft while x == d: the first x that differs is the
+correction, and after k agreements the last row yields a bonus token. So verification is the Sampler
+itself (penalties, top-k/p, seeds and logprobs included) over one row per position, each row seeing
+the request as if the drafts before it were accepted: outputs keep exactly the target's distribution
+(greedy and seeded requests: token for token, since a seeded generator is rewound to the positions
+kept), and drafts only decide how many tokens a step yields.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from backend.kv_cache import KVCacheManager
+from backend.request import Request
+from backend.sampling_params import SamplingParams
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`speculative_config` in vLLM's shape, parsed from its JSON text or dict."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None  # ngram: the longest suffix looked up
+    prompt_lookup_min: int | None = None  # ngram: the shortest
+    model: str | None = None  # draft_model: its Hugging Face folder
+
+    @classmethod
+    def parse(cls, value: str | dict) -> "SpeculativeConfig":
+        def fail(message: str) -> ValueError:
+            return ValueError(f"speculative_config: {message}")
+
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise fail(f"not valid JSON ({error})") from None
+        if not isinstance(value, dict):
+            raise fail(f"must be a JSON object, got {value!r:.80}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise fail(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        values = dict(value)
+        if values.get("method") is None:  # vLLM infers the method from a draft model's path
+            values["method"] = "draft_model" if values.get("model") else None
+        if values["method"] not in METHODS:
+            raise fail(f"method must be one of {', '.join(METHODS)} (got {values['method']!r})")
+
+        def positive(name: str) -> None:
+            number = values.get(name)
+            if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+                raise fail(f"{name} must be a positive integer (got {number!r})")
+
+        positive("num_speculative_tokens")
+        if values["method"] == "ngram":
+            if values.get("model") is not None:
+                raise fail("model is for method draft_model, not ngram")
+            low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if values.get(name) is not None:
+                    positive(name)
+            if low is None and high is None:
+                low = high = 5  # vLLM's default
+            values["prompt_lookup_min"] = high if low is None else low
+            values["prompt_lookup_max"] = low if high is None else high
+            if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
+                raise fail(f"prompt_lookup_min ({values['prompt_lookup_min']}) must not exceed "
+                           f"prompt_lookup_max ({values['prompt_lookup_max']})")
+        else:
+            if not isinstance(values.get("model"), str) or not values["model"]:
+                raise fail("method draft_model needs model, the draft model's folder")
+            lookup = [k for k in ("prompt_lookup_min", "prompt_lookup_max") if values.get(k) is not None]
+            if lookup:
+                raise fail(f"{', '.join(lookup)} is for method ngram, not draft_model")
+        return cls(**values)
+
+
+def ngram_proposal(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
+    `token_ids` with a length in [min_n, max_n]; [] when no such suffix occurred before."""
+    tokens = np.asarray(token_ids)
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        # Windows that end before the last token, so at least one token follows each of them.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if len(matches):
+            start = int(matches[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, batch: list[tuple[Request, int]]) -> None:
+        for request, k in batch:
+            request.spec_token_ids = ngram_proposal(request.all_token_ids, self.min_n, self.max_n, k)
+
+    def finish(self, request: Request) -> None:
+        pass
+
+
+DRAFT_PARAMS = SamplingParams(max_tokens=None)  # shadows are never sampled; Request wants params
+
+
+class DraftModelProposer:
+    """A second ModelRunner with its own KV cache and block tables. Each request has a shadow Request
+    there holding the same tokens; after verification the shadow keeps the KV of the drafts that were
+    accepted, catches up on the rest in one chunk and decodes k greedy tokens."""
+
+    def __init__(self, config: SpeculativeConfig, engine_config, target, max_model_len: int) -> None:
+        from backend.model_runner import ModelRunner, load_hf_config  # the draft model's runner
+        from backend.models.llama import LlamaArgs
+
+        path = os.path.expanduser(config.model)
+        hf_config = load_hf_config(path)
+        args = LlamaArgs.from_hf_config(hf_config)
+        if args.vocab_size != target.args.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocabulary ({args.vocab_size}) differs "
+                             f"from the target model's ({target.args.vocab_size})")
+        # As many blocks as the target has, so that the draft follows whatever the target holds.
+        element = target.kv_caches[0].element_size()
+        block_bytes = 2 * args.num_layers * engine_config.block_size * args.num_kv_heads * args.head_dim * element
+        draft_config = dataclasses.replace(
+            engine_config, model=path, quantization=None, speculative_config=None, preemption_mode="recompute",
+            kv_cache_memory_bytes=target.num_blocks * block_bytes, enable_prefix_caching=False)
+        self.runner = ModelRunner(draft_config, path, hf_config, max_model_len)
+        # No prefix caching: a shadow's blocks hold drafts that may be rolled back.
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, engine_config.block_size, False)
+        self.max_len = min(max_model_len, args.max_position_embeddings)
+        self.shadows: dict[str, tuple[Request, int]] = {}  # request id -> (shadow, tokens verified then)
+
+    def _sync(self, request: Request) -> Request:
+        """The request's shadow with its tokens; computed KV kept only where the tokens still agree."""
+        shadow, verified = self.shadows.get(request.request_id) or (
+            Request(request.request_id, None, request.prompt_token_ids, DRAFT_PARAMS), 0)
+        tokens = request.all_token_ids
+        valid = min(shadow.num_computed_tokens, verified)
+        end = min(shadow.num_computed_tokens, len(tokens))
+        while valid < end and shadow.all_token_ids[valid] == tokens[valid]:
+            valid += 1
+        shadow.num_computed_tokens = valid
+        shadow.all_token_ids[valid:] = tokens[valid:]
+        self.shadows[request.request_id] = (shadow, len(tokens))
+        return shadow
+
+    def propose(self, batch: list[tuple[Request, int]]) -> None:
+        work: list[tuple[Request, Request, int]] = []
+        for request, k in batch:
+            if request.num_tokens + k > self.max_len:
+                continue
+            shadow = self._sync(request)
+            # Slots for the catch-up chunk and for the drafts fed back (the last draft is not).
+            if not self.kv_cache.allocate_slots(shadow, shadow.num_tokens - shadow.num_computed_tokens + k - 1):
+                self.finish(request)  # no room: this request goes without drafts for now
+                continue
+            work.append((request, shadow, k))
+        for i in range(max((k for _, _, k in work), default=0)):
+            shadows = [shadow for _, shadow, k in work if k > i]
+            logits, sampled = self.runner.execute([(s, s.num_tokens - s.num_computed_tokens) for s in shadows])
+            for shadow, token in zip(sampled, logits.argmax(dim=-1).tolist()):
+                shadow.num_computed_tokens = shadow.num_tokens
+                shadow.all_token_ids.append(token)
+        for request, shadow, _ in work:
+            request.spec_token_ids = shadow.all_token_ids[request.num_tokens:]
+
+    def finish(self, request: Request) -> None:
+        shadow, _ = self.shadows.pop(request.request_id, (None, 0))
+        if shadow is not None:
+            self.kv_cache.free(shadow)
+
+
+class SpeculativeDecoder:
+    """The engine's side: propose before scheduling, then keep what verification accepted."""
+
+    def __init__(self, engine_config, target, kv_cache: KVCacheManager, metrics, max_model_len: int) -> None:
+        config = SpeculativeConfig.parse(engine_config.speculative_config)
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.vocab_size = target.args.vocab_size
+        self.kv_cache = kv_cache
+        self.metrics = metrics
+        self.generator_states: dict[str, torch.Tensor] = {}
+        self.proposer = (NgramProposer(config) if config.method == "ngram"
+                         else DraftModelProposer(config, engine_config, target, max_model_len))
+
+    def propose(self, running: list[Request]) -> None:
+        """Drafts for every running request that decodes (the rest get none). Requests with a grammar
+        are left out: their grammar state would have to follow each draft."""
+        batch = []
+        for request in running:
+            request.spec_token_ids = []
+            # A step yields at most k + 1 tokens; leave room for them under max_tokens.
+            k = min(self.num_speculative_tokens, request.params.max_tokens - request.num_output_tokens - 1)
+            if k > 0 and request.grammar is None and request.num_computed_tokens == request.num_tokens - 1:
+                batch.append((request, k))
+        self.proposer.propose(batch)
+
+    def verification_rows(self, requests: list[Request]) -> list[Request]:
+        """The rows to sample (see `verification_rows`), noting where seeded generators stand: the
+        Sampler draws noise for every drafted position, `verified` replays only the positions kept,
+        so a seeded request's n-th token always gets its n-th draw, as without speculation."""
+        self.generator_states = {r.request_id: r.generator.get_state() for r in requests
+                                 if r.spec_token_ids and r.generator is not None and not r.params.greedy}
+        return verification_rows(requests)
+
+    def verified(self, request: Request, num_accepted: int) -> None:
+        """After the accepted drafts and the target's own token were appended: the KV of every token
+        but the last is in place; blocks taken only for rejected drafts go back."""
+        state = self.generator_states.pop(request.request_id, None)
+        if state is not None:  # one draw per row kept (rows are drawn one by one, from one stream)
+            request.generator.set_state(state)
+            torch.empty(num_accepted + 1, self.vocab_size).exponential_(generator=request.generator)
+        self.metrics.registry.inc(self.metrics.spec_decode_num_drafts)
+        self.metrics.registry.inc(self.metrics.spec_decode_num_draft_tokens, len(request.spec_token_ids))
+        self.metrics.registry.inc(self.metrics.spec_decode_num_accepted_tokens, num_accepted)
+        request.spec_token_ids = []
+        request.num_computed_tokens = request.num_tokens - 1
+        self.kv_cache.cache_full_blocks(request)
+        self.kv_cache.trim(request, request.num_tokens)
+
+    def finish(self, request: Request) -> None:
+        self.proposer.finish(request)
+
+
+def verification_rows(requests: list[Request]) -> list[Request]:
+    """One row per scored position: each request, then for its i-th draft a copy that sees the
+    drafts before it as output (for penalties, min_tokens and seeds, which draw row by row)."""
+    if not any(r.spec_token_ids for r in requests):
+        return requests
+    rows = []
+    for request in requests:
+        rows.append(request)
+        for i in range(1, len(request.spec_token_ids) + 1):
+            view = copy.copy(request)
+            view.all_token_ids = request.all_token_ids + request.spec_token_ids[:i]
+            rows.append(view)
+    return rows
+
+
+def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The tokens a step appends: the drafts the target sampled too, then its first other token
+    (or, all drafts accepted, the bonus token of the last row)."""
+    num_accepted = 0
+    while num_accepted < len(drafts) and sampled[num_accepted] == drafts[num_accepted]:
+        num_accepted += 1
+    return sampled[:num_accepted + 1]
+
