@@ -8,6 +8,7 @@
 | `rms_norm.py` | RMSNorm, optionally fused with the residual add |
 | `rotary.py` | rotary embedding of queries and keys, in place |
 | `activation.py` | SiLU-and-mul |
+| `quant_matmul.py` | fused dequantize + matmul of AWQ / GPTQ weights |
 
 The CPU path imports `reference.py` alone: `backend/ops.py` loads the kernel modules (and Triton,
 through `jit.py`) only when it runs a kernel, on CUDA tensors or, in the tests, on CPU tensors through

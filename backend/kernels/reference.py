@@ -71,8 +71,9 @@ def paged_attention_decode_reference(query: torch.Tensor, key_cache: torch.Tenso
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     blocks = block_tables.flatten()
-    keys = gather_blocks(key_cache, blocks).view(num_kv_heads, num_seqs, -1, head_dim)  # [KVH, S, L, D]
-    values = gather_blocks(value_cache, blocks).view(num_kv_heads, num_seqs, -1, head_dim)
+    # [KVH, S, L, D], in the query's dtype (an fp8 cache converts as it is read)
+    keys = gather_blocks(key_cache, blocks).view(num_kv_heads, num_seqs, -1, head_dim).to(query.dtype)
+    values = gather_blocks(value_cache, blocks).view(num_kv_heads, num_seqs, -1, head_dim).to(query.dtype)
     grouped = query.view(num_seqs, num_kv_heads, -1, head_dim).transpose(0, 1)  # [KVH, S, G, D]
     scores = torch.matmul(grouped, keys.transpose(2, 3)) * scale  # [KVH, S, G, L]
     beyond = torch.arange(keys.shape[2], device=query.device) >= seq_lens.unsqueeze(1)  # [S, L]
@@ -116,3 +117,29 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     head_major = cache.permute(2, 0, 1, 3)  # [KVH, num_blocks, block_size, D]
     num_kv_heads, head_dim = head_major.shape[0], head_major.shape[3]
     return head_major.index_select(1, block_ids).reshape(num_kv_heads, -1, head_dim)
+
+
+def unpack_int_reference(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [..., W] holding 32 // bits values per word, the i-th at bit bits * i -> int32
+    [..., W * 32 // bits], each in [0, 2 ** bits)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
+
+
+def dequantize_int_reference(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                             bits: int) -> torch.Tensor:
+    """Group-quantized integer weights (AWQ, GPTQ after `backend/quantization/linear.py` repacks
+    them) -> [N, K] in the scales' dtype: W[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g] with
+    g = k // (K / G). qweight [N, K * bits / 32] int32 packed along K; scales, zeros [N, G]."""
+    q = unpack_int_reference(qweight, bits)
+    num_out, num_in = q.shape
+    q = q.view(num_out, scales.shape[1], -1).to(scales.dtype)
+    return ((q - zeros.unsqueeze(-1)) * scales.unsqueeze(-1)).view(num_out, num_in)
+
+
+def quant_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                           zeros: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantized W [N, K]^T (+ bias): the weight is dequantized on every call, so
+    memory holds only the packed integers."""
+    weight = dequantize_int_reference(qweight, scales, zeros, bits).to(x.dtype)
+    return F.linear(x, weight, bias)
