@@ -468,7 +468,7 @@ FRONTEND_BAD_INPUTS = [
     ("an empty token list", "completions", completion(prompt=[[]]), 400, "prompt", "must not be empty"),
     ("no messages", "chat/completions", chat(messages=[]), 400, "messages", "at least 1 item"),
     ("an unknown role", "chat/completions", chat(messages=[{"role": "wizard", "content": "hi"}]), 400,
-     "messages[0].role", "'system', 'user' or 'assistant'"),
+     "messages[0].role", "'system', 'developer', 'user', 'assistant' or 'tool'"),
     ("a message without a role", "chat/completions", chat(messages=[{"content": "hi"}]), 400, "messages[0].role",
      "Field required"),
     ("messages a string", "chat/completions", chat(messages="hi"), 400, "messages", "valid list"),
