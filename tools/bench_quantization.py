@@ -39,6 +39,7 @@ def main() -> int:
     parser.add_argument("--gptq", help="a GPTQ checkpoint of the model")
     parser.add_argument("--gguf", help="a .gguf of the model")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="activation dtypes for the checkpoints")
+    parser.add_argument("--rows", default=None, help="only these rows, e.g. float,int8,gguf (default: all)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
@@ -62,6 +63,8 @@ def main() -> int:
     print("| weights | activations | output tok/s | weight MB | decoder linears MB |")
     print("|---|---|---:|---:|---:|")
     for name, path, dtype, engine_args in rows:
+        if args.rows and name not in args.rows.split(","):
+            continue
         result = measure(path, dtype, engine_args, workload.prompts, args.output_len)
         print(f"| {name} | {dtype} | {result['tok_s']:.1f} | {result['weights'] / 1e6:.1f} | "
               f"{result['linears'] / 1e6:.1f} |", flush=True)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backend.config import QUANTIZATION_METHODS as METHODS  # the one list, beside EngineConfig
 from backend.quantization import awq, gguf, gptq
-from backend.quantization.config import LOAD_TIME_METHODS, METHODS, QuantConfig, detect
+from backend.quantization.config import LOAD_TIME_METHODS, QuantConfig, detect
 from backend.quantization.fp8 import KV_CACHE_DTYPES, Fp8Linear, kv_cache_dtype
 from backend.quantization.int8 import Int8Linear
 from backend.quantization.linear import IntLinear

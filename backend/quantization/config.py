@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from backend.config import QUANTIZATION_METHODS as METHODS  # the one list, beside EngineConfig
-
 CHECKPOINT_METHODS = ("awq", "gptq", "gguf")  # the checkpoint holds the quantized weights
 LOAD_TIME_METHODS = ("fp8", "int8")  # float weights, quantized as they load
 
@@ -25,7 +23,7 @@ class QuantConfig:
         return self.group_size if self.group_size > 0 else in_features
 
     @classmethod
-    def from_checkpoint(cls, stored: dict[str, Any]) -> "QuantConfig":
+    def from_checkpoint(cls, stored: dict[str, Any]) -> QuantConfig:
         method = str(stored.get("quant_method", "")).lower()
         if method == "awq":
             version = str(stored.get("version", "gemm")).lower()
