@@ -68,18 +68,7 @@ class StructuredOutputsParams:
     @classmethod
     def from_value(cls, value: Any) -> "StructuredOutputsParams":
         """From a dict (or its JSON text), as `sampling_parameters` carries it."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"structured_outputs: not valid JSON ({error})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"structured_outputs: must be an object, got {value!r:.80}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
+        value = json_object_option("structured_outputs", value, [f.name for f in fields(cls)])
         return cls(**{k: v for k, v in value.items() if v is not None})
 
 
@@ -196,3 +185,19 @@ class SamplingParams:
                     value = int(value)  # JSON writers may send 16.0 for 16
                 cast[name] = value
         return cls(**cast)
+
+
+def json_object_option(name: str, value: Any, known: list[str]) -> dict:
+    """An option given as a dict or its JSON text (CLI, model.json, sampling_parameters), with only
+    known keys; clear ValueErrors naming the option otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name}: not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: must be a JSON object, got {value!r:.80}")
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return value

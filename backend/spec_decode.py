@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, fields
 
@@ -28,7 +27,7 @@ import torch
 
 from backend.kv_cache import KVCacheManager
 from backend.request import Request
-from backend.sampling_params import SamplingParams
+from backend.sampling_params import SamplingParams, json_object_option
 
 METHODS = ("ngram", "draft_model")
 
@@ -47,17 +46,7 @@ class SpeculativeConfig:
         def fail(message: str) -> ValueError:
             return ValueError(f"speculative_config: {message}")
 
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise fail(f"not valid JSON ({error})") from None
-        if not isinstance(value, dict):
-            raise fail(f"must be a JSON object, got {value!r:.80}")
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise fail(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        value = json_object_option("speculative_config", value, [f.name for f in fields(cls)])
         values = dict(value)
         if values.get("method") is None:  # vLLM infers the method from a draft model's path
             values["method"] = "draft_model" if values.get("model") else None

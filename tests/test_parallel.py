@@ -168,18 +168,12 @@ def test_killed_worker_fails_requests_instead_of_hanging(tiny):
 def test_triton_serves_tensor_parallel_3_and_a_dead_worker_unloads_the_model(tmp_path, model_path, llm):
     import tritonclient.grpc as grpcclient
 
-    from tests.test_triton_model import generate, texts, wait_for
-    from tools.triton_server import TritonServer, write_model_repository
+    from tests.test_triton_model import generate, llm_server, texts, wait_for
 
-    repository = write_model_repository(tmp_path / "repository", {
-        "model": model_path, "dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "max_model_len": 512,
-        "tensor_parallel_size": 3})
-    server = TritonServer(repository, tmp_path, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port(), log_file=tmp_path / "triton.log",
-                          extra_args=["--exit-timeout-secs=5", "--model-control-mode=explicit", "--load-model=llm"])
-    server.start()
-    try:
-        server.wait_ready(300)
+    engine_args = {"model": model_path, "dtype": "float32", "kv_cache_memory_bytes": 64 << 20,
+                   "max_model_len": 512, "tensor_parallel_size": 3}
+    # The model unloads itself once a worker dies, so the server's exit code is not checked.
+    with llm_server(tmp_path, engine_args, clean_exit=False) as server:
         prompt = "Triton Inference Server is"
         [result] = generate(server, prompt, {"temperature": 0, "max_tokens": 12})
         expected = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
@@ -193,5 +187,3 @@ def test_triton_serves_tensor_parallel_3_and_a_dead_worker_unloads_the_model(tmp
         wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers),
                  timeout=20, message="the other worker to exit")
         client.close()
-    finally:
-        server.stop()

@@ -385,23 +385,14 @@ def test_gguf_folder_resolves_to_the_same_model(gguf_path, tmp_path):
 def test_quantized_gguf_serves_through_triton(gguf_path, tmp_path):
     """A quantized checkpoint behind a real tritonserver: the GGUF model's text matches the
     offline engine's on the same file."""
-    from tests.test_triton_model import generate, texts
-    from tools.triton_server import TritonServer, free_port, write_model_repository
+    from tests.test_triton_model import generate, llm_server, texts
 
     expected = LLM(gguf_path, dtype="float32", kv_cache_memory_bytes=64 << 20).generate(
         [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
-    repository = write_model_repository(tmp_path / "repository", {
-        "model": gguf_path, "dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "max_model_len": 512})
-    server = TritonServer(repository, tmp_path, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port(), log_file=tmp_path / "triton.log",
-                          extra_args=["--exit-timeout-secs=5", "--model-control-mode=explicit", "--load-model=llm"])
-    server.start()
-    try:
-        server.wait_ready(300)
+    engine_args = {"model": gguf_path, "dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "max_model_len": 512}
+    with llm_server(tmp_path, engine_args) as server:  # and it must exit cleanly
         [result] = generate(server, PROMPTS[0], {"temperature": 0, "max_tokens": 16}, exclude_input_in_output=True)
         assert texts(result) == [expected]
-    finally:
-        assert server.stop() == 0
 
 
 # -- AWQ and GPTQ of the real SmolLM2 (slow: quantizing takes minutes on a small CPU) ------------------------

@@ -179,7 +179,7 @@ def test_preempted_requests_keep_their_grammar(model_path, llm, tokenizer, preem
     (dict(regex="a", choice=["a"]), "exactly one"),
     (dict(), "exactly one"),
     (dict(choice=[]), "choice must be"),
-    (dict(jsn={"type": "object"}), "unknown field"),
+    (dict(jsn={"type": "object"}), "unknown key\\(s\\) jsn"),
 ])
 def test_bad_specs_are_refused_when_added(llm, spec, message):
     engine = llm.llm_engine

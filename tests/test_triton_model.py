@@ -4,6 +4,7 @@ Texts are checked against the offline engine's greedy output on the same weights
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -174,6 +175,23 @@ def settled_metrics(server: TritonServer) -> dict[str, float]:
         if current == previous:
             return current
         previous = current
+
+
+@contextlib.contextmanager
+def llm_server(work: Path, engine_args: dict, clean_exit: bool = True):
+    """A tritonserver serving only `llm` with these engine arguments, stopped on leaving (and
+    required to exit cleanly unless clean_exit is False)."""
+    repository = write_model_repository(work / "repository", engine_args)
+    server = TritonServer(repository, work, http_port=free_port(), grpc_port=free_port(),
+                          metrics_port=free_port(), log_file=work / "triton.log",
+                          extra_args=["--exit-timeout-secs=5", "--model-control-mode=explicit", "--load-model=llm"])
+    server.start()
+    try:
+        server.wait_ready(300)
+        yield server
+    finally:
+        code = server.stop()
+        assert code == 0 or not clean_exit, "tritonserver did not exit cleanly"
 
 
 def wait_for(condition, timeout: float = 30.0, message: str = "condition") -> None:
