@@ -4,9 +4,11 @@ Processing order follows vLLM: structured outputs first set to -inf what their g
 (one bitmask for the batch, built only when some request is constrained), so greedy and sampled
 tokens alike obey them; raw logprobs are taken from those logits before anything else changes them;
 then min_tokens suppression, logit_bias and penalties; then greedy rows take the argmax while the
-others go through temperature, top-k, top-p and min-p and draw with the exponential-race trick
-(argmax of probs / Exp(1) noise), which lets a seeded request draw its noise from its own generator
-so its tokens do not depend on its batch mates.
+others go through temperature, top-k, top-p and min-p and draw by inverting each row's cumulative
+distribution at one uniform number. One number per row, not one per vocabulary entry: the
+exponential-race trick (argmax of probs / Exp(1) noise) drew 3 M random numbers for 64 rows of a
+49k vocabulary, 59 ms a step on this CPU against 2.3 ms. A seeded request draws its number from its
+own generator, so its tokens do not depend on its batch mates.
 """
 
 from __future__ import annotations
@@ -69,11 +71,15 @@ class Sampler:
         if any(m > 0 for m in min_p):
             threshold = torch.tensor(min_p).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        # float64 sums, so that a token's share of [0, 1) is its probability even at the far end.
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        uniform = torch.rand(len(requests), 1, generator=self.generator, dtype=torch.float64)
         for row, request in enumerate(requests):
             if request.generator is not None and not greedy[row]:
-                noise[row].exponential_(generator=request.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+                uniform[row] = draw_uniform(request.generator)
+        # The first token whose cumulative sum passes u * total: never one of probability zero.
+        sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+        sampled = sampled.clamp_(max=probs.shape[-1] - 1)
         return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
 
     @staticmethod
@@ -109,6 +115,11 @@ class Sampler:
         for j, row in enumerate(rows):
             n = params[row].logprobs
             result.logprobs[row] = (chosen_lp[j], ranks[j], list(zip(top_ids[j][:n], top_lp[j][:n])))
+
+
+def draw_uniform(generator: torch.Generator) -> torch.Tensor:
+    """A seeded row's one draw (speculative decoding replays these to rewind a generator)."""
+    return torch.rand(1, generator=generator, dtype=torch.float64)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 
 from backend.kv_cache import KVCacheManager
 from backend.request import Request
+from backend.sampling import draw_uniform
 from backend.sampling_params import SamplingParams, json_object_option
 
 METHODS = ("ngram", "draft_model")
@@ -185,7 +186,6 @@ class SpeculativeDecoder:
     def __init__(self, engine_config, target, kv_cache: KVCacheManager, metrics, max_model_len: int) -> None:
         config = SpeculativeConfig.parse(engine_config.speculative_config)
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.vocab_size = target.args.vocab_size
         self.kv_cache = kv_cache
         self.metrics = metrics
         self.generator_states: dict[str, torch.Tensor] = {}
@@ -206,7 +206,7 @@ class SpeculativeDecoder:
 
     def verification_rows(self, requests: list[Request]) -> list[Request]:
         """The rows to sample (see `verification_rows`), noting where seeded generators stand: the
-        Sampler draws noise for every drafted position, `verified` replays only the positions kept,
+        Sampler draws a number for every drafted position, `verified` replays only the positions kept,
         so a seeded request's n-th token always gets its n-th draw, as without speculation."""
         self.generator_states = {r.request_id: r.generator.get_state() for r in requests
                                  if r.spec_token_ids and r.generator is not None and not r.params.greedy}
@@ -218,7 +218,8 @@ class SpeculativeDecoder:
         state = self.generator_states.pop(request.request_id, None)
         if state is not None:  # one draw per row kept (rows are drawn one by one, from one stream)
             request.generator.set_state(state)
-            torch.empty(num_accepted + 1, self.vocab_size).exponential_(generator=request.generator)
+            for _ in range(num_accepted + 1):
+                draw_uniform(request.generator)
         self.metrics.registry.inc(self.metrics.spec_decode_num_drafts)
         self.metrics.registry.inc(self.metrics.spec_decode_num_draft_tokens, len(request.spec_token_ids))
         self.metrics.registry.inc(self.metrics.spec_decode_num_accepted_tokens, num_accepted)

@@ -7,7 +7,7 @@ import torch
 
 from backend import SamplingParams
 from backend.request import Request
-from backend.sampling import apply_penalties, apply_top_k_top_p
+from backend.sampling import Sampler, apply_penalties, apply_top_k_top_p
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 OTHERS = ["The capital of France is", "def fibonacci(n):", "你好，请介绍一下你自己。"]
@@ -124,6 +124,36 @@ def test_penalties_match_a_direct_computation():
     actual = logits.clone()
     apply_penalties(actual, requests)
     torch.testing.assert_close(actual, expected)
+
+
+def test_sampler_draws_from_the_softmax_and_never_a_masked_token():
+    """Inverse-CDF draws follow softmax(logits / T) (chi-square over 16 tokens, 20k draws), top-k
+    removes what it masks, and a seeded request's draws do not depend on its batch mates."""
+    torch.manual_seed(0)
+    logits = torch.randn(16) * 2
+    logits[3] = float("-inf")  # a token a grammar or a bias forbade
+    temperature, draws = 0.7, 20_000
+    sampler = Sampler(seed=1)
+    params = SamplingParams(temperature=temperature)
+    requests = [_request([1], [], temperature=temperature) for _ in range(1000)]
+    counts = torch.zeros(16)
+    for _ in range(draws // len(requests)):
+        tokens = sampler(logits.repeat(len(requests), 1), requests).token_ids
+        counts += torch.bincount(torch.tensor(tokens), minlength=16)
+    expected = (logits / params.temperature).softmax(-1) * draws
+    assert counts[3] == 0
+    kept = expected > 0
+    chi_square = (((counts - expected)[kept] ** 2) / expected[kept]).sum().item()
+    assert chi_square < 37.7, (chi_square, counts, expected)  # p = 0.001 at 14 degrees of freedom
+    top_k = sampler(logits.repeat(200, 1), [_request([1], [], temperature=5.0, top_k=2) for _ in range(200)])
+    assert set(top_k.token_ids) <= set(logits.topk(2).indices.tolist())
+
+    def seeded_tokens(batch_mates):
+        seeded = _request([1], [], temperature=1.0, seed=7)
+        batch = [_request([1], [], temperature=1.0) for _ in range(batch_mates)] + [seeded]
+        return [Sampler(seed=batch_mates)(logits.repeat(len(batch), 1), batch).token_ids[-1] for _ in range(20)]
+
+    assert seeded_tokens(0) == seeded_tokens(5)
 
 
 def test_top_k_top_p_mask():
