@@ -2,10 +2,11 @@
 new keys and values into their cache slots, then attend each query over its sequence's blocks.
 
 The step's tokens come flat: first one token per decoding sequence, then each prefill chunk in
-turn. Decodes run in the C++ kernel of `backend/cpu_ops.py`, which reads the blocks in place (or, where
-it does not apply, as one batched, masked attention over gathered blocks); prefill chunks run one at a
-time through SDPA, reading straight from the new keys when nothing of the sequence is cached yet. On
-CUDA, `backend/ops.py` runs the Triton kernels on the same metadata instead.
+turn. The C++ kernel of `backend/cpu_ops.py` attends every token of the step in one call, reading
+the blocks in place. Where it does not apply (an fp8 cache, other head sizes), decodes run as one
+batched, masked attention over gathered blocks and prefill chunks one at a time through SDPA,
+reading straight from the new keys when nothing of the sequence is cached yet. On CUDA,
+`backend/ops.py` runs the Triton kernels on the same metadata instead.
 
 The KV cache of a layer is [2, KVH, num_blocks, block_size, D]: each KV head's blocks together, so
 gathering a sequence's blocks yields [KVH, L, D] slabs that feed batched matmuls without a copy.
@@ -43,6 +44,12 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, context_len of each chunk
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
     max_prefill_query_len: int
+    # Every token at once, for the CPU kernel: the row of its sequence in `block_tables` (decodes,
+    # then prefill chunks: decode_block_tables and prefill_block_tables are its two halves) and how
+    # many positions it attends to (its position + 1).
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
+    token_rows: torch.Tensor | None = None  # [num_tokens] int32
+    token_context_lens: torch.Tensor | None = None  # [num_tokens] int32
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,27 +64,25 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[1]
     fused = (cpu_ops.supports(query) and head_dim in (64, 128) and num_heads // num_kv_heads <= 8
-             and kv_cache.dtype == query.dtype)  # an fp8 cache takes the torch path, converting at its edges
+             and kv_cache.dtype == query.dtype  # an fp8 cache takes the torch path, converting at its edges
+             and meta.token_rows is not None)
     if fused:
         cpu_ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
-    else:
-        key_slots = kv_cache[0].view(num_kv_heads, -1, head_dim)  # [KVH, num_slots, D]
-        value_slots = kv_cache[1].view(num_kv_heads, -1, head_dim)
-        # Indexed assignment, not index_copy_, which has no float8 kernel on the CPU.
-        key_slots[:, meta.slot_mapping] = key.transpose(0, 1).to(kv_cache.dtype)
-        value_slots[:, meta.slot_mapping] = value.transpose(0, 1).to(kv_cache.dtype)
+        out = cpu_ops.paged_attention(query, kv_cache, meta.block_tables, meta.token_rows,
+                                      meta.token_context_lens, scale)
+        return out.view(num_tokens, num_heads * head_dim)
+    key_slots = kv_cache[0].view(num_kv_heads, -1, head_dim)  # [KVH, num_slots, D]
+    value_slots = kv_cache[1].view(num_kv_heads, -1, head_dim)
+    # Indexed assignment, not index_copy_, which has no float8 kernel on the CPU.
+    key_slots[:, meta.slot_mapping] = key.transpose(0, 1).to(kv_cache.dtype)
+    value_slots[:, meta.slot_mapping] = value.transpose(0, 1).to(kv_cache.dtype)
     key_cache, value_cache = cache_views(kv_cache)
     gqa = num_heads != num_kv_heads
 
     outputs = []
     if meta.num_decodes:
-        decode_query = query[:meta.num_decodes]
-        if fused:
-            out = cpu_ops.paged_attention_decode(decode_query, kv_cache, meta.decode_block_tables,
-                                                 meta.decode_seq_lens, scale)
-        else:
-            out = paged_attention_decode_reference(decode_query, key_cache, value_cache,
-                                                   meta.decode_block_tables, meta.decode_seq_lens, scale)
+        out = paged_attention_decode_reference(query[:meta.num_decodes], key_cache, value_cache,
+                                               meta.decode_block_tables, meta.decode_seq_lens, scale)
         outputs.append(out.view(meta.num_decodes, num_heads * head_dim))
     for span in meta.prefills:
         end = span.start + span.num_query_tokens

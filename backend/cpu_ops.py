@@ -34,7 +34,7 @@ SIGNATURES = {
     "rotary": [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64],
     "silu_and_mul": [ptr, ptr, i64, i64],
     "reshape_and_cache": [ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64],
-    "paged_attention_decode": [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, f32],
+    "paged_attention": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32],
 }
 
 
@@ -151,19 +151,22 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
           value.stride(0), slot_mapping.data_ptr(), tokens, kv_heads, dim, num_slots)
 
 
-def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [S, H, D]; kv_cache [2, KVH, num_blocks, block_size, D]; block_tables [S, W] and
-    seq_lens [S] int32. Returns [S, H, D]."""
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                    token_rows: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [T, H, D]; kv_cache [2, KVH, num_blocks, block_size, D]; block_tables [S, W], token_rows
+    and context_lens [T] int32: token t attends to the first context_lens[t] positions of the
+    sequence in row token_rows[t] (a decode: all of it; a prefill token: up to itself). Returns
+    [T, H, D]."""
     query = query.contiguous()
-    seqs, heads, dim = query.shape
+    tokens, heads, dim = query.shape
     _, kv_heads, num_blocks, block_size, _ = kv_cache.shape
     block_tables = block_tables.to(torch.int32).contiguous()
-    seq_lens = seq_lens.to(torch.int32).contiguous()
+    token_rows = token_rows.to(torch.int32).contiguous()
+    context_lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty_like(query)
-    _call("paged_attention_decode", query.dtype, out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(),
-          block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), seqs, heads, kv_heads, dim,
-          num_blocks, block_size, scale)
+    _call("paged_attention", query.dtype, out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(),
+          block_tables.data_ptr(), block_tables.shape[1], token_rows.data_ptr(), context_lens.data_ptr(),
+          tokens, heads, kv_heads, dim, num_blocks, block_size, scale)
     return out
 
 

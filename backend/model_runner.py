@@ -351,7 +351,8 @@ class ModelRunner:
 
         decode_lens = [r.num_computed_tokens + 1 for r, _ in decodes]
         prefill_lens = [r.num_computed_tokens + n for r, n in prefills]
-        prefill_tables = tables([r for r, _ in prefills], prefill_lens)
+        block_tables = tables([r for r, _ in decodes + prefills], decode_lens + prefill_lens)
+        prefill_tables = block_tables[len(decodes):]
         spans, query_starts = [], [0]
         offset = len(decodes)
         for i, ((request, n), context_len) in enumerate(zip(prefills, prefill_lens)):
@@ -362,12 +363,15 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             num_decodes=len(decodes),
             decode_seq_lens=int32(decode_lens),
-            decode_block_tables=tables([r for r, _ in decodes], decode_lens),
+            decode_block_tables=block_tables[:len(decodes)],
             prefills=spans,
             prefill_query_starts=int32(query_starts),
             prefill_seq_lens=int32(prefill_lens),
             prefill_block_tables=prefill_tables,
             max_prefill_query_len=max((n for _, n in prefills), default=0),
+            block_tables=block_tables,
+            token_rows=int32([row for row, (_, n) in enumerate(decodes + prefills) for _ in range(n)]),
+            token_context_lens=int32([position + 1 for position in positions]),
         )
         return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), meta)
 

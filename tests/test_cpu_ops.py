@@ -84,7 +84,8 @@ def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim):
     width = -(-int(seq_lens.max()) // block_size)
     tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in seq_lens]).to(torch.int32)
     query = torch.randn(len(seq_lens), heads, head_dim, dtype=dtype)
-    actual = cpu_ops.paged_attention_decode(query, cache, tables, seq_lens, head_dim ** -0.5)
+    rows = torch.arange(len(seq_lens), dtype=torch.int32)
+    actual = cpu_ops.paged_attention(query, cache, tables, rows, seq_lens, head_dim ** -0.5)
     expected = reference.paged_attention_decode_reference(query, *cache_views(cache), tables, seq_lens,
                                                           head_dim ** -0.5)
     close(actual, expected, dtype)
@@ -97,11 +98,45 @@ def test_decode_attention_ignores_blocks_beyond_each_sequence():
     cache[:, :, 2, :5] = torch.randn(2, 1, 5, 64)
     tables = torch.tensor([[2, 3]], dtype=torch.int32)
     query = torch.randn(1, 2, 64)
-    out = cpu_ops.paged_attention_decode(query, cache, tables, torch.tensor([5], dtype=torch.int32), 0.125)
+    one = torch.tensor([5], dtype=torch.int32)
+    out = cpu_ops.paged_attention(query, cache, tables, torch.zeros(1, dtype=torch.int32), one, 0.125)
     assert torch.isfinite(out).all()
     expected = F.scaled_dot_product_attention(query.view(1, 2, 1, 64), cache[0, :, 2, :5].unsqueeze(0),
                                               cache[1, :, 2, :5].unsqueeze(0), scale=0.125, enable_gqa=True)
     close(out, expected.view(1, 2, 64), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 2, 128)])
+def test_prefill_tokens_attend_causally_over_their_blocks(dtype, heads, kv_heads, head_dim):
+    """A step of two decodes and two prefill chunks, one after a cached prefix of 21 tokens: each
+    token attends to its sequence's positions up to its own, as causal SDPA over the same keys."""
+    torch.manual_seed(0)
+    num_blocks, block_size = 64, 16
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    # (context before this step, tokens this step) per sequence: two decodes, a fresh and a cached chunk
+    sequences = [(40, 1), (7, 1), (0, 37), (21, 50)]
+    width = max(-(-(done + new) // block_size) for done, new in sequences)
+    tables = torch.randperm(num_blocks)[:width * len(sequences)].view(len(sequences), width).to(torch.int32)
+    rows, lens = [], []
+    for row, (done, new) in enumerate(sequences):
+        rows += [row] * new
+        lens += range(done + 1, done + new + 1)
+    query = torch.randn(len(rows), heads, head_dim, dtype=dtype)
+    scale = head_dim ** -0.5
+    actual = cpu_ops.paged_attention(query, cache, tables, torch.tensor(rows, dtype=torch.int32),
+                                     torch.tensor(lens, dtype=torch.int32), scale)
+    key_cache, value_cache = cache_views(cache)
+    start = 0
+    for row, (done, new) in enumerate(sequences):
+        keys = reference.gather_blocks(key_cache, tables[row])[:, :done + new].unsqueeze(0)  # [1, KVH, L, D]
+        values = reference.gather_blocks(value_cache, tables[row])[:, :done + new].unsqueeze(0)
+        q = query[start:start + new].transpose(0, 1).unsqueeze(0)
+        allowed = torch.arange(done + new).unsqueeze(0) <= torch.arange(new).unsqueeze(1) + done
+        expected = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=allowed,
+                                                  scale=scale, enable_gqa=True)
+        close(actual[start:start + new].float(), expected[0].transpose(0, 1), dtype)
+        start += new
 
 
 def test_packed_linear_equals_linear_in_bfloat16():

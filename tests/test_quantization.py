@@ -306,13 +306,19 @@ def test_fp8_kv_cache_stores_float8_and_keeps_the_tokens(model_path):
     assert fp8_caches[0].dtype == torch.float8_e4m3fn
     assert engines["fp8"].llm_engine.runner.block_bytes * 4 == engines["auto"].llm_engine.runner.block_bytes
     # Writes: a prompt's keys and values land in the cache as the float8 rounding of the float ones.
+    # Checked bit for bit in the first layer, whose inputs both engines compute alike; deeper layers'
+    # inputs differ in the last bits (the float cache's prefill runs the C++ attention kernel, the
+    # fp8 one the torch path), which may flip a float8 rounding.
     for engine in engines.values():
         engine.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=1))
-    for float_cache, fp8_cache in zip(float_caches, fp8_caches):
+    for layer, (float_cache, fp8_cache) in enumerate(zip(float_caches, fp8_caches)):
         used = float_cache.abs().sum(dim=(0, 1, 3, 4)).nonzero().flatten()
         assert len(used) == 1  # the prompt's one block
-        assert torch.equal(fp8_cache[:, :, used].view(torch.uint8),
-                           float_cache[:, :, used].to(torch.float8_e4m3fn).view(torch.uint8))
+        expected = float_cache[:, :, used].to(torch.float8_e4m3fn)
+        if layer == 0:
+            assert torch.equal(fp8_cache[:, :, used].view(torch.uint8), expected.view(torch.uint8))
+        else:  # within one float8 step (e4m3: 3 mantissa bits)
+            torch.testing.assert_close(fp8_cache[:, :, used].float(), expected.float(), rtol=0.125, atol=2 ** -9)
     # Reads: decodes and (second round) prefix-cache hits attend over the float8 cache; the greedy
     # tokens mostly stay those of the float cache.
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -210,12 +210,12 @@ void silu_and_mul(T* out, const T* x, int64_t rows, int64_t size) {
   }
 }
 
-// One (sequence, KV head) of decode attention: its G query heads share each key and value row
-// while it is in cache. One pass with an online softmax over 16 positions at a time, whose scores
-// form one vector. G and V (= dim / 16) are template arguments so everything lives in registers.
+// One (token, KV head) of attention over the first `len` positions of a sequence: its G query
+// heads share each key and value row while it is in cache. One pass with an online softmax over 16
+// positions at a time, whose scores form one vector. G and V (= dim / 16) are template arguments so everything lives in registers.
 template <typename T, int G, int V>
 __attribute__((optimize("fp-contract=fast")))  // FMAs: attention need not match torch bit for bit
-void decode_one(T* out, const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
+void attend_one(T* out, const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
                 int64_t len, int64_t block_size, float scale) {
   constexpr int64_t dim = V * kLanes;
   vfloat q[G][V], acc[G][V] = {}, dots[G][kLanes];
@@ -265,38 +265,42 @@ void decode_one(T* out, const T* query, const T* key_cache, const T* value_cache
 }
 
 template <typename T>
-using DecodeOne = void (*)(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, float);
+using AttendOne = void (*)(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, float);
 
 template <typename T, int V>
-DecodeOne<T> pick_group(int64_t group) {
+AttendOne<T> pick_group(int64_t group) {
   switch (group) {
-    case 1: return decode_one<T, 1, V>;
-    case 2: return decode_one<T, 2, V>;
-    case 3: return decode_one<T, 3, V>;
-    case 4: return decode_one<T, 4, V>;
-    case 5: return decode_one<T, 5, V>;
-    case 6: return decode_one<T, 6, V>;
-    case 7: return decode_one<T, 7, V>;
-    case 8: return decode_one<T, 8, V>;
+    case 1: return attend_one<T, 1, V>;
+    case 2: return attend_one<T, 2, V>;
+    case 3: return attend_one<T, 3, V>;
+    case 4: return attend_one<T, 4, V>;
+    case 5: return attend_one<T, 5, V>;
+    case 6: return attend_one<T, 6, V>;
+    case 7: return attend_one<T, 7, V>;
+    case 8: return attend_one<T, 8, V>;
     default: return nullptr;
   }
 }
 
-// query [seqs, heads, dim] packed; cache [2, kv_heads, num_blocks, block_size, dim]. The Python
-// side only calls with dim 64 or 128 and at most 8 query heads per KV head.
+// query [tokens, heads, dim] packed; cache [2, kv_heads, num_blocks, block_size, dim]. Each token
+// attends to positions [0, context_lens[t]) of the sequence whose blocks are row token_rows[t] of
+// block_tables: a decode token to its whole sequence, a prefill token to the positions up to its
+// own (causal, cached prefix included). One kernel for the step's decodes and prefill chunks; a
+// prefill chunk's keys and values stay in cache while its tokens, taken in order, read them. The
+// Python side only calls with dim 64 or 128 and at most 8 query heads per KV head.
 template <typename T>
-void paged_attention_decode(T* out, const T* query, const T* cache, const int32_t* block_tables,
-                            int64_t table_width, const int32_t* seq_lens, int64_t seqs, int64_t heads,
-                            int64_t kv_heads, int64_t dim, int64_t num_blocks, int64_t block_size,
-                            float scale) {
+void paged_attention(T* out, const T* query, const T* cache, const int32_t* block_tables,
+                     int64_t table_width, const int32_t* token_rows, const int32_t* context_lens,
+                     int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
+                     int64_t block_size, float scale) {
   const int64_t group = heads / kv_heads, head_cache = num_blocks * block_size * dim;
-  DecodeOne<T> one = dim == 64 ? pick_group<T, 4>(group) : pick_group<T, 8>(group);
+  AttendOne<T> one = dim == 64 ? pick_group<T, 4>(group) : pick_group<T, 8>(group);
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t item = 0; item < seqs * kv_heads; ++item) {
-    const int64_t s = item / kv_heads, kvh = item % kv_heads;
-    const int64_t offset = (s * heads + kvh * group) * dim;
+  for (int64_t item = 0; item < tokens * kv_heads; ++item) {
+    const int64_t t = item / kv_heads, kvh = item % kv_heads;
+    const int64_t offset = (t * heads + kvh * group) * dim;
     one(out + offset, query + offset, cache + kvh * head_cache, cache + (kv_heads + kvh) * head_cache,
-        block_tables + s * table_width, seq_lens[s], block_size, scale);
+        block_tables + token_rows[t] * table_width, context_lens[t], block_size, scale);
   }
 }
 
@@ -330,12 +334,14 @@ void paged_attention_decode(T* out, const T* query, const T* cache, const int32_
     reshape_and_cache<T>((T*)cache, (const T*)key, key_stride, (const T*)value, value_stride,        \
                          slot_mapping, tokens, kv_heads, dim, num_slots);                            \
   }                                                                                                  \
-  extern "C" void paged_attention_decode_##SUFFIX(                                                   \
+  extern "C" void paged_attention_##SUFFIX(                                                          \
       void* out, const void* query, const void* cache, const int32_t* block_tables,                  \
-      int64_t table_width, const int32_t* seq_lens, int64_t seqs, int64_t heads, int64_t kv_heads,   \
-      int64_t dim, int64_t num_blocks, int64_t block_size, float scale) {                            \
-    paged_attention_decode<T>((T*)out, (const T*)query, (const T*)cache, block_tables, table_width, \
-                              seq_lens, seqs, heads, kv_heads, dim, num_blocks, block_size, scale); \
+      int64_t table_width, const int32_t* token_rows, const int32_t* context_lens, int64_t tokens,    \
+      int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks, int64_t block_size,          \
+      float scale) {                                                                                 \
+    paged_attention<T>((T*)out, (const T*)query, (const T*)cache, block_tables, table_width,        \
+                       token_rows, context_lens, tokens, heads, kv_heads, dim, num_blocks,           \
+                       block_size, scale);                                                           \
   }
 
 EXPORT(float, f32)
