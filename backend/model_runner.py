@@ -141,8 +141,11 @@ class ModelRunner:
         if self.parallel.world_size > 1:  # every rank holds as many blocks as the tightest one
             self.num_blocks = min(all_gather(self.num_blocks))
         shape = (2, self.num_kv_heads, self.num_blocks, self.block_size, self.args.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                          for _ in range(self.num_layers)]
+        if self.device.type == "cpu":
+            self.kv_caches = [cpu_ops.huge_page_zeros(shape, self.kv_cache_dtype) for _ in range(self.num_layers)]
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                              for _ in range(self.num_layers)]
         # Swap space for preemption_mode="swap": host memory (pinned when the cache is on a GPU).
         self.num_swap_blocks = 0
         self.swap_caches: list[torch.Tensor] = []

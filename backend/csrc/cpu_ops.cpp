@@ -210,9 +210,15 @@ void silu_and_mul(T* out, const T* x, int64_t rows, int64_t size) {
   }
 }
 
+// The cache row (block * block_size + offset) holding a sequence's position.
+inline int64_t row_of(const int32_t* table, int64_t pos, int64_t block_size) {
+  return int64_t(table[pos / block_size]) * block_size + pos % block_size;
+}
+
 // One (token, KV head) of attention over the first `len` positions of a sequence: its G query
 // heads share each key and value row while it is in cache. One pass with an online softmax over 16
-// positions at a time, whose scores form one vector. G and V (= dim / 16) are template arguments so everything lives in registers.
+// positions at a time, whose scores form one vector. G and V (= dim / 16) are template arguments
+// so everything lives in registers.
 template <typename T, int G, int V>
 __attribute__((optimize("fp-contract=fast")))  // FMAs: attention need not match torch bit for bit
 void attend_one(T* out, const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
@@ -229,7 +235,22 @@ void attend_one(T* out, const T* query, const T* key_cache, const T* value_cache
     const int64_t count = std::min<int64_t>(len - start, kLanes);
     for (int64_t p = 0; p < count; ++p) {
       const int64_t pos = start + p;
-      keys[p] = key_cache + (int64_t(table[pos / block_size]) * block_size + pos % block_size) * dim;
+      keys[p] = key_cache + row_of(table, pos, block_size) * dim;
+    }
+    // Where the next 16 positions do not follow these in memory (another block, anywhere in the
+    // cache), ask for their keys and values now: the hardware prefetcher cannot jump there, and each
+    // row would otherwise wait on memory. Contiguous blocks are left to it (asking for those too,
+    // or asking 2-3 chunks ahead, measured slower). 64 decodes of 192 positions, random blocks
+    // over 136 MB: 1.6-1.7 -> 1.3-1.5 ms a layer; consecutive blocks unchanged (0.55 ms).
+    const int64_t next = start + kLanes;
+    if (next < len && row_of(table, next, block_size) != row_of(table, next - 1, block_size) + 1) {
+      for (int64_t pos = next; pos < std::min(len, next + kLanes); ++pos) {
+        const int64_t row = row_of(table, pos, block_size) * dim;
+        for (int64_t byte = 0; byte < dim * int64_t(sizeof(T)); byte += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(key_cache + row) + byte);
+          __builtin_prefetch(reinterpret_cast<const char*>(value_cache + row) + byte);
+        }
+      }
     }
     for (int64_t p = 0; p < kLanes; ++p) {  // each query head's 16 partial dot products per position
       vfloat partial[G] = {};
