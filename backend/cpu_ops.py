@@ -35,7 +35,9 @@ SIGNATURES = {
     "silu_and_mul": [ptr, ptr, i64, i64],
     "reshape_and_cache": [ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64],
     "paged_attention": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32],
+    "sample_rows": [ptr, ptr, i64, i64, i64, ptr, ptr],
 }
+FLOAT32_ONLY = {"sample_rows"}  # logits are float32 whatever the model's dtype
 
 
 def cache_dir() -> Path:
@@ -82,7 +84,7 @@ def _library() -> ctypes.CDLL | None:
         logger.warning("CPU kernels unavailable, using the torch references: %s", error)
         return None
     for name, argtypes in SIGNATURES.items():
-        for suffix in SUFFIXES.values():
+        for suffix in ("f32",) if name in FLOAT32_ONLY else SUFFIXES.values():
             function = getattr(library, f"{name}_{suffix}")
             function.argtypes, function.restype = argtypes, None
     return library
@@ -167,6 +169,18 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     _call("paged_attention", query.dtype, out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(),
           block_tables.data_ptr(), block_tables.shape[1], token_rows.data_ptr(), context_lens.data_ptr(),
           tokens, heads, kv_heads, dim, num_blocks, block_size, scale)
+    return out
+
+
+def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """float32 logits [rows, vocab] -> int64 token ids [rows]: argmax where temperature is 0, else
+    the inverse-CDF draw of softmax(logits / T) at `uniforms` (as backend.sampling.inverse_cdf)."""
+    rows, vocab = logits.shape
+    temperatures = temperatures.to(torch.float32).contiguous()
+    uniforms = uniforms.to(torch.float32).contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    _call("sample_rows", torch.float32, out.data_ptr(), logits.data_ptr(), logits.stride(0), rows, vocab,
+          temperatures.data_ptr(), uniforms.data_ptr())
     return out
 
 

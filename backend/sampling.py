@@ -5,7 +5,8 @@ Processing order follows vLLM: structured outputs first set to -inf what their g
 tokens alike obey them; raw logprobs are taken from those logits before anything else changes them;
 then min_tokens suppression, logit_bias and penalties; then greedy rows take the argmax while the
 others go through temperature, top-k, top-p and min-p and draw by inverting each row's cumulative
-distribution at one uniform number. One number per row, not one per vocabulary entry: the
+distribution at one uniform number (in one C++ pass per row on the CPU when no row uses top-k,
+top-p or min-p: 64 rows of a 49k vocabulary, 7.5 ms of torch ops a step -> ~1 ms). One number per row, not one per vocabulary entry: the
 exponential-race trick (argmax of probs / Exp(1) noise) drew 3 M random numbers for 64 rows of a
 49k vocabulary, 59 ms a step on this CPU against 1.6 ms for a cumulative sum and a search. A
 seeded request draws its number from its own generator, so its tokens do not depend on its batch
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backend import cpu_ops
 from backend.request import Request
 from backend.structured_output import apply_grammar_bitmask
 
@@ -48,7 +50,11 @@ class Sampler:
             apply_penalties(logits, requests)
 
         greedy = [p.greedy for p in params]
-        if all(greedy):
+        plain = all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0 for p in params)
+        if plain and cpu_ops.supports(logits) and logits.dtype == torch.float32:
+            temperatures = torch.tensor([0.0 if g else p.temperature for p, g in zip(params, greedy)])
+            token_ids = cpu_ops.sample_rows(logits, temperatures, self._uniforms(requests, greedy))
+        elif all(greedy):
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._random_sample(logits, requests, greedy)
@@ -73,12 +79,16 @@ class Sampler:
         if any(m > 0 for m in min_p):
             threshold = torch.tensor(min_p).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
-        uniform = torch.rand(len(requests), 1, generator=self.generator)
+        sampled = inverse_cdf(probs, self._uniforms(requests, greedy).unsqueeze(1))
+        return sampled if greedy_tokens is None else torch.where(torch.tensor(greedy), greedy_tokens, sampled)
+
+    def _uniforms(self, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+        """One uniform number per row; a seeded request's from its own generator."""
+        uniforms = torch.rand(len(requests), generator=self.generator)
         for row, request in enumerate(requests):
             if request.generator is not None and not greedy[row]:
-                uniform[row] = draw_uniform(request.generator)
-        sampled = inverse_cdf(probs, uniform)
-        return sampled if greedy_tokens is None else torch.where(torch.tensor(greedy), greedy_tokens, sampled)
+                uniforms[row] = draw_uniform(request.generator)
+        return uniforms
 
     @staticmethod
     def _suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:

@@ -161,3 +161,27 @@ def test_silu_and_mul_matches_reference(dtype):
     x = torch.randn(13, 2 * 1536, dtype=dtype) * 4
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.0])  # exp's range ends
     close(cpu_ops.silu_and_mul(x), reference.silu_and_mul_reference(x), dtype)
+
+
+def test_sample_rows_argmax_and_inverse_cdf():
+    """Greedy rows are torch's argmax (ties go to the first index); sampled rows draw what the
+    torch path draws at the same uniform numbers (bar the odd one on a rounding boundary) and
+    never a token whose logit is -inf."""
+    from backend.sampling import inverse_cdf
+
+    torch.manual_seed(0)
+    logits = torch.randn(300, 1000) * 3
+    logits[:, 7] = float("-inf")
+    logits[0, [3, 9]] = 50.0  # a tie: index 3 wins
+    temperatures = torch.full((300,), 0.8)
+    temperatures[:50] = 0.0
+    uniforms = torch.rand(300)
+    tokens = cpu_ops.sample_rows(logits, temperatures, uniforms)
+    assert torch.equal(tokens[:50], logits[:50].argmax(dim=-1)) and tokens[0] == 3
+    expected = inverse_cdf((logits[50:] / 0.8).softmax(dim=-1), uniforms[50:].unsqueeze(1))
+    assert (tokens[50:] == expected).float().mean() >= 0.97
+    assert not (tokens == 7).any()
+    # A vocabulary that is not whole vectors, and a row where only one token is allowed.
+    odd = torch.full((2, 1003), float("-inf"))
+    odd[0, 1001], odd[1, 500] = 0.0, 2.0
+    assert cpu_ops.sample_rows(odd, torch.ones(2), torch.tensor([0.999, 0.0])).tolist() == [1001, 500]

@@ -325,6 +325,71 @@ void paged_attention(T* out, const T* query, const T* cache, const int32_t* bloc
   }
 }
 
+
+// One token per row of float32 logits [rows, vocab] (rows `stride` apart). Temperature 0: the first
+// index of the largest logit, as torch's argmax. Otherwise the first token whose running sum of
+// exp((logit - max) / T) passes uniform * total: inverse-CDF sampling from softmax(logits / T),
+// as Sampler's torch path, in three vectorised passes over the row instead of softmax + cumsum.
+// A logit of -inf has probability exactly 0 and is never drawn.
+void sample_rows(int64_t* out, const float* logits, int64_t stride, int64_t rows, int64_t vocab,
+                 const float* temperatures, const float* uniforms) {
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = logits + r * stride;
+    const int64_t whole = vocab / kLanes * kLanes;
+    vfloat lanes = splat(-INFINITY);
+    for (int64_t i = 0; i < whole; i += kLanes) {
+      vfloat v = load(x + i);
+      lanes = v > lanes ? v : lanes;
+    }
+    float max = max_lanes(lanes);
+    for (int64_t i = whole; i < vocab; ++i) max = std::max(max, x[i]);
+    if (temperatures[r] <= 0.f || max == -INFINITY) {  // greedy (or nothing allowed: token 0)
+      int64_t first = 0;
+      while (first < vocab && !(x[first] == max)) ++first;
+      out[r] = first < vocab ? first : 0;
+      continue;
+    }
+    const float inverse = 1.f / temperatures[r];
+    auto probs = [&](int64_t i) {  // 16 unnormalised probabilities from position i
+      vfloat v = load(x + i);
+      vfloat p = exp_lanes((v - max) * inverse);
+      return v > -INFINITY ? p : splat(0.f);
+    };
+    auto prob = [&](int64_t i) { return x[i] > -INFINITY ? std::exp((x[i] - max) * inverse) : 0.f; };
+    vfloat sums = {};
+    for (int64_t i = 0; i < whole; i += kLanes) sums += probs(i);
+    float total = sum_lanes(sums);
+    for (int64_t i = whole; i < vocab; ++i) total += prob(i);
+    const float target = uniforms[r] * total;
+    float running = 0.f;
+    int64_t chosen = -1, last_possible = 0;
+    for (int64_t i = 0; i < whole && chosen < 0; i += kLanes) {
+      vfloat p = probs(i);
+      const float chunk = sum_lanes(p);
+      if (chunk > 0.f) {
+        if (running + chunk > target) {
+          for (int64_t j = 0; j < kLanes && chosen < 0; ++j) {
+            running += p[j];
+            if (p[j] > 0.f && running > target) chosen = i + j;
+          }
+        } else {
+          running += chunk;
+        }
+        for (int64_t j = kLanes - 1; j >= 0; --j)
+          if (p[j] > 0.f) { last_possible = i + j; break; }
+      }
+    }
+    for (int64_t i = whole; i < vocab && chosen < 0; ++i) {
+      const float p = prob(i);
+      running += p;
+      if (p > 0.f) last_possible = i;
+      if (p > 0.f && running > target) chosen = i;
+    }
+    out[r] = chosen >= 0 ? chosen : last_possible;  // rounding left the target past the end
+  }
+}
+
 }  // namespace
 
 // The C entry points: one per op and element type (f32, bf16), pointers in, nothing returned.
@@ -364,6 +429,11 @@ void paged_attention(T* out, const T* query, const T* cache, const int32_t* bloc
                        token_rows, context_lens, tokens, heads, kv_heads, dim, num_blocks,           \
                        block_size, scale);                                                           \
   }
+
+extern "C" void sample_rows_f32(int64_t* out, const float* logits, int64_t stride, int64_t rows,
+                                int64_t vocab, const float* temperatures, const float* uniforms) {
+  sample_rows(out, logits, stride, rows, vocab, temperatures, uniforms);
+}
 
 EXPORT(float, f32)
 EXPORT(bf16, bf16)
