@@ -4,7 +4,8 @@ on tensors' memory; and bfloat16 linear layers with their weights prepacked for 
 
 `available()` is False when there is no compiler, the build fails, or TRITONLLM_CPU_KERNELS=0;
 `backend/ops.py` then runs the torch references instead, with the same results. float32 and
-bfloat16 rows of whole 16-float vectors only (other shapes and types take the references).
+bfloat16 rows of whole 16-float vectors only (other shapes and types take the references); the
+sampler takes float32 logits of any width. Also the CPU KV cache's allocation on huge pages.
 """
 
 from __future__ import annotations
@@ -184,6 +185,14 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torc
     return out
 
 
+HUGE_PAGE, MADV_HUGEPAGE = 2 << 20, 14
+try:
+    _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+except (OSError, AttributeError):  # not Linux
+    _libc = None
+
+
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros on 2 MiB pages where the kernel allows (transparent huge pages in "madvise"
     mode need the ask before the first touch). For the KV cache: attention reads 2 KiB blocks
@@ -196,14 +205,6 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if last > first and _libc is not None:
         _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_HUGEPAGE)  # a hint: errors ignored
     return tensor.zero_()
-
-
-HUGE_PAGE, MADV_HUGEPAGE = 2 << 20, 14
-try:
-    _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
-    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-except (OSError, AttributeError):  # not Linux
-    _libc = None
 
 
 class PackedLinear(nn.Module):
