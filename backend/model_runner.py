@@ -362,6 +362,8 @@ class ModelRunner:
             spans.append(PrefillSpan(offset, n, context_len, prefill_tables[i, :-(-context_len // block_size)]))
             offset += n
             query_starts.append(query_starts[-1] + n)
+        counts = int32([n for _, n in decodes + prefills])
+        position_ids = torch.tensor(positions, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             num_decodes=len(decodes),
@@ -373,10 +375,11 @@ class ModelRunner:
             prefill_block_tables=prefill_tables,
             max_prefill_query_len=max((n for _, n in prefills), default=0),
             block_tables=block_tables,
-            token_rows=int32([row for row, (_, n) in enumerate(decodes + prefills) for _ in range(n)]),
-            token_context_lens=int32([position + 1 for position in positions]),
+            token_rows=torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32, device=self.device),
+                                               counts),
+            token_context_lens=(position_ids + 1).to(torch.int32),  # each token attends up to itself
         )
-        return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), meta)
+        return torch.tensor(input_ids, device=self.device), position_ids, meta
 
 
 def micro_batches(scheduled: list[tuple[Request, int]], count: int) -> list[list[tuple[Request, int]]]:
