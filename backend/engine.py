@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +47,9 @@ def eos_token_ids(model_path: str, hf_config: dict) -> set[int]:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Step on the thread that builds the engine: see `_warn_thread`.
+        self.built_on = threading.current_thread()
+        self._warned_thread = False
         self.model_path = config.resolved_model()
         hf_config = load_hf_config(self.model_path)
         self.model_name = config.served_model_name or Path(self.model_path).name
@@ -192,7 +196,20 @@ class LLMEngine:
         return len(self.parents)
 
     # -- the loop --------------------------------------------------------------------------------
+    def _warn_thread(self) -> None:
+        """libgomp keeps one OpenMP thread team per thread that opens a parallel region. A model
+        loaded on one thread and run on another makes two teams, more threads than CPUs, and then
+        libgomp cuts its barrier spin from 300,000 to 100 iterations: every parallel region puts its
+        threads to sleep and wakes them through the kernel (decode steps measured 20% slower)."""
+        self._warned_thread = True
+        if self.runner.device.type == "cpu":
+            logger.warning("the engine was built on thread %r and steps on %r: build it on the thread "
+                           "that runs it (two OpenMP thread teams slow every CPU step down)",
+                           self.built_on.name, threading.current_thread().name)
+
     def step(self) -> list[RequestOutput]:
+        if threading.current_thread() is not self.built_on and not self._warned_thread:
+            self._warn_thread()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
