@@ -153,9 +153,14 @@ class TritonServer:
         return self
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        """Block until /v2/health/ready answers 200; raise if the process dies or time runs out."""
+        """Block until /v2/health/ready answers 200 and the metrics port answers too (it can open
+        a moment after the HTTP one); raise if the process dies or time runs out."""
         deadline = time.monotonic() + timeout
-        url = f"http://{self.http_url}/v2/health/ready"
+        self._wait_for(f"http://{self.http_url}/v2/health/ready", deadline, timeout)
+        if "--allow-metrics=false" not in self.extra_args:
+            self._wait_for(self.metrics_url, deadline, timeout)
+
+    def _wait_for(self, url: str, deadline: float, timeout: float) -> None:
         while time.monotonic() < deadline:
             if self.process is None or self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited before it was ready{self._log_hint()}")
