@@ -48,7 +48,16 @@ class EngineOverloadedError(RuntimeError):
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self._built, self._ready = threading.Event(), threading.Event()
+        self.max_waiting_requests = config.max_waiting_requests
+        self.errored = False
+        self.error: BaseException | None = None
+        self.num_failed_steps = 0
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._commands: deque = deque()
+        self._num_waiting = 0  # samples queued in the engine or on their way to it
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._built = threading.Event()
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._build_and_run, args=(config,), name="tritonllm-engine",
                                         daemon=True)
@@ -59,17 +68,6 @@ class AsyncLLMEngine:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.model_name = self.engine.model_name
-        self.max_waiting_requests = config.max_waiting_requests
-        self.errored = False
-        self.error: BaseException | None = None
-        self.num_failed_steps = 0
-        self._callbacks: dict[str, OutputCallback] = {}
-        self._commands: deque = deque()
-        self._num_waiting = 0  # samples queued in the engine or on their way to it
-        self._wakeup = threading.Condition()
-        self._stopping = False
-        self.engine.runner.on_failure = self._worker_died
-        self._ready.set()
 
     # -- any thread -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -150,12 +148,12 @@ class AsyncLLMEngine:
         slower decode steps)."""
         try:
             self.engine = LLMEngine(config)
+            self.engine.runner.on_failure = self._worker_died
         except BaseException as exc:  # noqa: BLE001 - raised again in the constructor's thread
             self._build_error = exc
             return
         finally:
             self._built.set()
-        self._ready.wait()
         self._run()
 
     def _run(self) -> None:
