@@ -14,7 +14,7 @@ from pathlib import Path
 from backend.config import EngineConfig
 from backend.kv_cache import KVCacheManager
 from backend.metrics import EngineMetrics
-from backend.model_runner import ModelRunner, load_hf_config
+from backend.model_runner import ModelRunner, load_hf_config, max_step_tokens
 from backend.output_processor import ChildState, ParentRequest, append_token, make_output
 from backend.detokenizer import IncrementalDetokenizer
 from backend.outputs import RequestOutput
@@ -63,9 +63,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({model_limit})")
         self.max_model_len = config.max_model_len or model_limit
-        max_batched = config.max_num_batched_tokens
-        if max_batched is None:
-            max_batched = 2048 if config.enable_chunked_prefill else max(2048, self.max_model_len)
+        max_batched = max_step_tokens(config, self.max_model_len)
         if not config.enable_chunked_prefill and max_batched < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens: {max_batched} is smaller than max_model_len "
                              f"({self.max_model_len}) while chunked prefill is off")
