@@ -3,6 +3,8 @@ with the system C++ compiler, cached per source, compiler flags and CPU, and cal
 on tensors' memory; and bfloat16 linear layers with their weights prepacked for oneDNN.
 
 `available()` is False when there is no compiler, the build fails, or TRITONLLM_CPU_KERNELS=0;
+TRITONLLM_CPU_KERNELS=portable builds without the CPU's bfloat16 dot-product instructions (the code
+a CPU without AVX512-BF16 runs, for testing it on one with them);
 `backend/ops.py` then runs the torch references instead, with the same results. float32 and
 bfloat16 rows of whole 16-float vectors only (other shapes and types take the references); the
 sampler takes float32 logits of any width. Also the CPU KV cache's allocation on huge pages.
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
+PORTABLE_FLAGS = ["-mno-avx512bf16"]
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {
@@ -61,14 +64,15 @@ def build() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, cpu_flags()]).encode()).hexdigest()[:16]
+    flags = FLAGS + (PORTABLE_FLAGS if os.environ.get("TRITONLLM_CPU_KERNELS") == "portable" else [])
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *flags, cpu_flags()]).encode()).hexdigest()[:16]
     library = cache_dir() / f"tritonllm_cpu_ops_{key}.so"
     if library.is_file():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:  # concurrent builds: last rename wins
         target = Path(scratch) / library.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(target)], capture_output=True, text=True)
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(target)], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(target, library)

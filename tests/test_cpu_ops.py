@@ -155,6 +155,16 @@ def test_disabled_kernels_fall_back_to_references():
     assert result.stdout.strip() == "ok", result.stderr
 
 
+def test_portable_build_passes_the_attention_tests():
+    """The attention tests again on the library a CPU without AVX512-BF16 gets (bfloat16 attention
+    then widens to float32 instead of using the dot-product instruction)."""
+    env = {**os.environ, "TRITONLLM_CPU_KERNELS": "portable"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                             "-k", "attention_matches or attend_causally or beyond_each_sequence"],
+                            env=env, capture_output=True, text=True, cwd=str(cpu_ops.SOURCE.parents[2]))
+    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_reference(dtype):
     torch.manual_seed(0)
