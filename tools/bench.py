@@ -9,6 +9,10 @@ Modes (any subset, in one run, same prompts):
   vllm-offline   vLLM's LLM.generate, run by the Python given with --vllm-python (its own venv)
   vllm-serve     `vllm serve` (that Python's OpenAI server), driven by the same client as `openai`
 
+`--dtype bfloat16,float32` runs every mode at each dtype, and `--vllm-cores default,all` each vLLM
+mode with vLLM's default binding (a core left to its front end) and with all cores bound: the
+issue's whole table in one command. Ratios compare with tritonllm's offline figure at the same dtype.
+
 `--client vllm-bench` drives the openai and vllm-serve modes with vLLM's own `vllm bench serve`
 (random dataset, --input-len/--output-len, ignore_eos) from the --vllm-python venv instead of this
 tool's client: the same external client for both servers.
@@ -38,6 +42,29 @@ from tools.bench_workloads import WORKLOADS, Workload, make_workload, percentile
 
 SERVER_MODES = ("triton", "openai", "vllm-serve")
 MODES = ("offline", "triton", "openai", "hf-sequential", "hf-batch", "vllm-offline", "vllm-serve")
+VLLM_CORES = ("default", "all")  # VLLM_CPU_OMP_THREADS_BIND unset (a core for its front end) / 0-N
+
+
+@dataclass
+class Run:
+    """One mode at one dtype (and, for vLLM's modes, one core binding), under its report label."""
+    label: str
+    mode: str
+    dtype: str
+    vllm_cores: str | None = None
+
+
+def plan_runs(modes: list[str], dtypes: list[str], vllm_cores: list[str]) -> list[Run]:
+    """Every mode at every dtype, dtype by dtype, each vLLM mode once per core binding. A label is
+    the mode's name, plus the dtype when there are several, plus the binding when there are several."""
+    runs = []
+    for dtype in dtypes:
+        for mode in modes:
+            for cores in vllm_cores if mode.startswith("vllm") else [None]:
+                label = " ".join([mode] + [dtype] * (len(dtypes) > 1)
+                                 + [f"{cores}-cores"] * (cores is not None and len(vllm_cores) > 1))
+                runs.append(Run(label, mode, dtype, cores))
+    return runs
 
 
 @dataclass
@@ -164,7 +191,7 @@ if __name__ == "__main__":
 
 def vllm_environment(args) -> dict:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
-    if args.vllm_bind_all_cores:
+    if args.vllm_cores == "all":
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{os.cpu_count() - 1}"
     return env
 
@@ -452,15 +479,16 @@ def fmt(value, digits=1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def print_report(results: dict) -> None:
-    reference = results.get("offline", {}).get("output_tokens_per_s")
-    print(f"{'mode':<26}{'out tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}"
+def print_report(results: dict, references: dict[str, str | None]) -> None:
+    """One line per figure; `references` names each label's offline run at the same dtype."""
+    print(f"{'mode':<36}{'out tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}"
           f"{'E2E p99':>10}{'peak KV':>9}{'preempt':>8}{'vs offline':>11}")
     for mode, entries in results.items():
+        reference = results.get(references.get(mode) or "", {}).get("output_tokens_per_s")
         for entry in entries if isinstance(entries, list) else [entries]:
             label = mode + (f" c={entry['concurrency']}" if "concurrency" in entry else "")
             ratio = entry["output_tokens_per_s"] / reference if reference else None
-            print(f"{label:<26}{fmt(entry['output_tokens_per_s']):>10}{fmt(entry.get('request_throughput'), 2):>8}"
+            print(f"{label:<36}{fmt(entry['output_tokens_per_s']):>10}{fmt(entry.get('request_throughput'), 2):>8}"
                   f"{fmt(entry.get('ttft_p50_ms'), 0):>10}{fmt(entry.get('tpot_p50_ms'), 0):>10}"
                   f"{fmt(entry.get('itl_p50_ms'), 0):>9}{fmt(entry.get('e2e_p99_ms'), 0):>10}"
                   f"{fmt(entry.get('peak_kv_usage'), 2):>9}{fmt(entry.get('preemptions'), 0):>8}"
@@ -499,7 +527,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="HF folder (default: the prepared SmolLM2)")
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", default="auto", help="comma-separated: every mode runs at each")
     parser.add_argument("--engine-args", default="{}", help="JSON of extra EngineConfig fields")
     parser.add_argument("--concurrency", default="64", help="comma-separated, for server modes")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson)")
@@ -512,7 +540,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="who drives the openai and vllm-serve modes: this tool, or `vllm bench serve` "
                              "(needs --vllm-python)")
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
-    parser.add_argument("--vllm-bind-all-cores", action="store_true", help="VLLM_CPU_OMP_THREADS_BIND=0-N")
+    parser.add_argument("--vllm-cores", default="default",
+                        help="comma-separated, from: default (vLLM leaves a core to its front end), "
+                             "all (VLLM_CPU_OMP_THREADS_BIND=0-N); each vLLM mode runs at each")
+    parser.add_argument("--vllm-bind-all-cores", action="store_true", help="the same as --vllm-cores all")
     parser.add_argument("--json", default=None, help="write every figure here")
     parser.add_argument("--plot", default=None, help="PNG of throughput and latency against concurrency")
 
@@ -525,6 +556,10 @@ def run(args: argparse.Namespace) -> int:
     if (any(m.startswith("vllm") for m in modes) or args.client == "vllm-bench") and not args.vllm_python:
         raise SystemExit("vllm modes and --client vllm-bench need --vllm-python PATH")
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    vllm_cores = ["all"] if args.vllm_bind_all_cores else [c.strip() for c in args.vllm_cores.split(",") if c.strip()]
+    if not set(vllm_cores) <= set(VLLM_CORES) or not vllm_cores:
+        raise SystemExit(f"--vllm-cores: comma-separated, from: {', '.join(VLLM_CORES)}")
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(resolved_model(args))
     workload = make_workload(args.workload, tokenizer, args.num_prompts, args.seed, args.input_len, args.output_len)
@@ -533,15 +568,18 @@ def run(args: argparse.Namespace) -> int:
     runners = {"offline": run_offline, "hf-sequential": run_hf_sequential, "hf-batch": run_hf_batch,
                "vllm-offline": run_vllm_offline}
     results: dict = {}
-    ours = None  # one tritonllm serve for the triton and openai modes
+    runs = plan_runs(modes, dtypes, vllm_cores)
+    ours = None  # (dtype, process, urls): one tritonllm serve at a time for the triton and openai modes
     try:
-        for mode in modes:
+        for run_ in runs:
+            run_args = argparse.Namespace(**{**vars(args), "dtype": run_.dtype, "vllm_cores": run_.vllm_cores})
+            mode = run_.mode
             if mode in runners:
-                results[mode] = runners[mode](args, workload)
+                results[run_.label] = runners[mode](run_args, workload)
             elif mode == "vllm-serve":
-                process, urls = start_vllm_serve(args)
+                process, urls = start_vllm_serve(run_args)
                 try:
-                    results[mode] = run_server_mode("openai", urls, args, workload)
+                    results[run_.label] = run_server_mode("openai", urls, run_args, workload)
                 finally:
                     stop(process)
             else:
@@ -550,13 +588,18 @@ def run(args: argparse.Namespace) -> int:
                     urls = {"grpc": args.grpc_url, "openai": args.openai_url, "metrics": args.metrics_url,
                             "model": Path(resolved_model(args)).name}
                 else:
-                    ours = ours or start_tritonllm(args)
-                    urls = ours[1]
-                results[mode] = run_server_mode(mode, urls, args, workload)
+                    if ours is not None and ours[0] != run_.dtype:
+                        stop(ours[1])
+                        ours = None
+                    ours = ours or (run_.dtype, *start_tritonllm(run_args))
+                    urls = ours[2]
+                results[run_.label] = run_server_mode(mode, urls, run_args, workload)
     finally:
         if ours is not None:
-            stop(ours[0])
-    print_report(results)
+            stop(ours[1])
+    offline = {run_.dtype: run_.label for run_ in runs if run_.mode == "offline"}
+    references = {run_.label: offline.get(run_.dtype) for run_ in runs}
+    print_report(results, references)
     if args.json:
         Path(args.json).write_text(json.dumps({"workload": workload.name, "num_prompts": len(workload.prompts),
                                                "results": results}, indent=2))
