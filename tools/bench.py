@@ -496,19 +496,25 @@ def print_report(results: dict, references: dict[str, str | None]) -> None:
 
 
 def plot(results: dict, path: str) -> None:
+    """Throughput and latency against concurrency when a server mode swept several; otherwise (one
+    concurrency, as in the issue's table) bars: output tokens/s of every run, TTFT / TPOT p50 of
+    the served ones."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not any(isinstance(entries, list) and len(entries) > 1 for entries in results.values()):
+        _plot_bars(results, plt).savefig(path, dpi=120)
+        return
     figure, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4))
-    for mode, entries in results.items():
+    for index, (mode, entries) in enumerate(results.items()):
         if isinstance(entries, list):
             xs = [e["concurrency"] for e in entries]
             throughput.plot(xs, [e["output_tokens_per_s"] for e in entries], marker="o", label=mode)
             latency.plot(xs, [e["ttft_p50_ms"] for e in entries], marker="o", label=f"{mode} TTFT p50")
             latency.plot(xs, [e["tpot_p50_ms"] for e in entries], marker="x", linestyle="--", label=f"{mode} TPOT p50")
         else:
-            throughput.axhline(entries["output_tokens_per_s"], linestyle=":", label=mode, color="gray")
+            throughput.axhline(entries["output_tokens_per_s"], linestyle=":", label=mode, color=f"C{index % 10}")
     throughput.set(xlabel="concurrency", ylabel="output tokens/s", xscale="log", title="throughput")
     latency.set(xlabel="concurrency", ylabel="ms", xscale="log", yscale="log", title="latency")
     for axes in (throughput, latency):
@@ -516,6 +522,34 @@ def plot(results: dict, path: str) -> None:
             axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+def _plot_bars(results: dict, plt):
+    rows = [(mode + (f" c={e['concurrency']}" if "concurrency" in e else ""), e)
+            for mode, entries in results.items() for e in (entries if isinstance(entries, list) else [entries])]
+    served = [(label, e) for label, e in rows if e.get("ttft_p50_ms") is not None and "concurrency" in e]
+    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(12, 0.6 + 0.32 * len(rows)),
+                                                 gridspec_kw={"width_ratios": [3, 2]})
+    labels, values = [label for label, _ in rows][::-1], [e["output_tokens_per_s"] for _, e in rows][::-1]
+    bars = throughput.barh(labels, values, color=["C0" if label.startswith(("offline", "openai", "triton"))
+                                                  else "C7" for label in labels])
+    throughput.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+    throughput.set(xlabel="output tokens/s", title="throughput (tritonllm in blue)")
+    if served:
+        names = [label for label, _ in served][::-1]
+        positions = range(len(names))
+        ttft = [e["ttft_p50_ms"] / 1000 for _, e in served][::-1]
+        tpot = [(e.get("tpot_p50_ms") or 0) / 1000 for _, e in served][::-1]
+        latency.barh([p + 0.2 for p in positions], ttft, height=0.4, label="TTFT p50")
+        latency.barh([p - 0.2 for p in positions], tpot, height=0.4, label="TPOT p50")
+        latency.set_yticks(list(positions), names, fontsize=7)
+        latency.set(xlabel="seconds", title="served latency")
+        latency.legend(fontsize=7)
+    else:
+        latency.axis("off")
+    throughput.tick_params(axis="y", labelsize=7)
+    figure.tight_layout()
+    return figure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
