@@ -215,9 +215,32 @@ void silu_and_mul(T* out, const T* x, int64_t rows, int64_t size) {
   }
 }
 
-// The cache row (block * block_size + offset) holding a sequence's position.
-inline int64_t row_of(const int32_t* table, int64_t pos, int64_t block_size) {
-  return int64_t(table[pos / block_size]) * block_size + pos % block_size;
+// The cache row (block * block_size + offset) holding a sequence's position. block_size is a power
+// of two (EngineConfig checks): shifts, not a division per position. always_inline here and below:
+// GCC does not inline into the attention kernels otherwise (their fp-contract attribute differs),
+// and a call per position cost random-block attention 0.78 -> 0.99 ms a layer.
+__attribute__((always_inline)) inline int64_t row_of(const int32_t* table, int64_t pos, int64_t block_size) {
+  const int shift = __builtin_ctzll(block_size);
+  return (int64_t(table[pos >> shift]) << shift) + (pos & (block_size - 1));
+}
+
+// Where the 16 positions from `next` do not follow the ones before them in memory (another block,
+// anywhere in the cache), ask for their keys and values now: the hardware prefetcher cannot jump
+// there, and each row would otherwise wait on memory. Contiguous blocks are left to it (asking for
+// those too, or asking 2-3 chunks ahead, measured slower, with either attention kernel). 64 decodes
+// of 192 positions, random blocks over 136 MB: 1.6-1.7 -> 1.3-1.5 ms a layer (float32-widening
+// kernel); consecutive blocks unchanged.
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_after_jump(const T* key_cache, const T* value_cache, const int32_t* table, int64_t next,
+                                int64_t len, int64_t block_size, int64_t dim) {
+  if (next >= len || row_of(table, next, block_size) == row_of(table, next - 1, block_size) + 1) return;
+  for (int64_t pos = next; pos < std::min(len, next + kLanes); ++pos) {
+    const int64_t row = row_of(table, pos, block_size) * dim;
+    for (int64_t byte = 0; byte < dim * int64_t(sizeof(T)); byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(key_cache + row) + byte);
+      __builtin_prefetch(reinterpret_cast<const char*>(value_cache + row) + byte);
+    }
+  }
 }
 
 // One (token, KV head) of attention over the first `len` positions of a sequence: its G query
@@ -238,25 +261,8 @@ void attend_one(T* out, const T* query, const T* key_cache, const T* value_cache
   const T* keys[kLanes];
   for (int64_t start = 0; start < len; start += kLanes) {
     const int64_t count = std::min<int64_t>(len - start, kLanes);
-    for (int64_t p = 0; p < count; ++p) {
-      const int64_t pos = start + p;
-      keys[p] = key_cache + row_of(table, pos, block_size) * dim;
-    }
-    // Where the next 16 positions do not follow these in memory (another block, anywhere in the
-    // cache), ask for their keys and values now: the hardware prefetcher cannot jump there, and each
-    // row would otherwise wait on memory. Contiguous blocks are left to it (asking for those too,
-    // or asking 2-3 chunks ahead, measured slower). 64 decodes of 192 positions, random blocks
-    // over 136 MB: 1.6-1.7 -> 1.3-1.5 ms a layer; consecutive blocks unchanged (0.55 ms).
-    const int64_t next = start + kLanes;
-    if (next < len && row_of(table, next, block_size) != row_of(table, next - 1, block_size) + 1) {
-      for (int64_t pos = next; pos < std::min(len, next + kLanes); ++pos) {
-        const int64_t row = row_of(table, pos, block_size) * dim;
-        for (int64_t byte = 0; byte < dim * int64_t(sizeof(T)); byte += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(key_cache + row) + byte);
-          __builtin_prefetch(reinterpret_cast<const char*>(value_cache + row) + byte);
-        }
-      }
-    }
+    for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(table, start + p, block_size) * dim;
+    prefetch_after_jump(key_cache, value_cache, table, start + kLanes, len, block_size, dim);
     for (int64_t p = 0; p < kLanes; ++p) {  // each query head's 16 partial dot products per position
       vfloat partial[G] = {};
       if (p < count)
@@ -318,22 +324,11 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const bf16* key_cache, co
     }
     max[g] = -INFINITY;
   }
-  const int shift = __builtin_ctzll(block_size);  // a power of two (EngineConfig checks)
-  auto row_at = [&](int64_t pos) { return (int64_t(table[pos >> shift]) << shift) + (pos & (block_size - 1)); };
   const bf16* keys[kLanes];
   for (int64_t start = 0; start < len; start += kLanes) {
     const int64_t count = std::min<int64_t>(len - start, kLanes);
-    for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_at(start + p) * dim;
-    const int64_t next = start + kLanes;  // as attend_one: ask for the next chunk where it jumps
-    if (next < len && row_at(next) != row_at(next - 1) + 1) {
-      for (int64_t pos = next; pos < std::min(len, next + kLanes); ++pos) {
-        const int64_t row = row_at(pos) * dim;
-        for (int64_t byte = 0; byte < dim * int64_t(sizeof(bf16)); byte += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(key_cache + row) + byte);
-          __builtin_prefetch(reinterpret_cast<const char*>(value_cache + row) + byte);
-        }
-      }
-    }
+    for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(table, start + p, block_size) * dim;
+    prefetch_after_jump(key_cache, value_cache, table, start + kLanes, len, block_size, dim);
     for (int64_t p = 0; p < kLanes; ++p) {
       __m512 partial[G];
       for (int g = 0; g < G; ++g) partial[g] = _mm512_setzero_ps();
