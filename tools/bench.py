@@ -479,16 +479,21 @@ def fmt(value, digits=1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def labelled(mode: str, figures: dict | list[dict]) -> list[tuple[str, dict]]:
+    """A mode's figures with their report labels: a server mode has one per concurrency."""
+    return [(mode + (f" c={entry['concurrency']}" if "concurrency" in entry else ""), entry)
+            for entry in (figures if isinstance(figures, list) else [figures])]
+
+
 def print_report(results: dict, references: dict[str, str | None]) -> None:
     """One line per figure; `references` names each label's offline run at the same dtype."""
-    print(f"{'mode':<36}{'out tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}"
+    print(f"{'mode':<40}{'out tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}"
           f"{'E2E p99':>10}{'peak KV':>9}{'preempt':>8}{'vs offline':>11}")
-    for mode, entries in results.items():
+    for mode, figures in results.items():
         reference = results.get(references.get(mode) or "", {}).get("output_tokens_per_s")
-        for entry in entries if isinstance(entries, list) else [entries]:
-            label = mode + (f" c={entry['concurrency']}" if "concurrency" in entry else "")
+        for label, entry in labelled(mode, figures):
             ratio = entry["output_tokens_per_s"] / reference if reference else None
-            print(f"{label:<36}{fmt(entry['output_tokens_per_s']):>10}{fmt(entry.get('request_throughput'), 2):>8}"
+            print(f"{label:<40}{fmt(entry['output_tokens_per_s']):>10}{fmt(entry.get('request_throughput'), 2):>8}"
                   f"{fmt(entry.get('ttft_p50_ms'), 0):>10}{fmt(entry.get('tpot_p50_ms'), 0):>10}"
                   f"{fmt(entry.get('itl_p50_ms'), 0):>9}{fmt(entry.get('e2e_p99_ms'), 0):>10}"
                   f"{fmt(entry.get('peak_kv_usage'), 2):>9}{fmt(entry.get('preemptions'), 0):>8}"
@@ -525,8 +530,7 @@ def plot(results: dict, path: str) -> None:
 
 
 def _plot_bars(results: dict, plt):
-    rows = [(mode + (f" c={e['concurrency']}" if "concurrency" in e else ""), e)
-            for mode, entries in results.items() for e in (entries if isinstance(entries, list) else [entries])]
+    rows = [row for mode, figures in results.items() for row in labelled(mode, figures)]
     served = [(label, e) for label, e in rows if e.get("ttft_p50_ms") is not None and "concurrency" in e]
     figure, (throughput, latency) = plt.subplots(1, 2, figsize=(12, 0.6 + 0.32 * len(rows)),
                                                  gridspec_kw={"width_ratios": [3, 2]})
