@@ -7,6 +7,7 @@
 // torch already loaded (same soname), so kernels share torch's threads rather than adding more.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -243,6 +244,32 @@ __attribute__((always_inline)) inline void prefetch_after_jump(const T* key_cach
   }
 }
 
+// The keys and values of the item (token, KV head) a thread takes after the current one, asked for
+// into L2 a chunk at a time while the current item computes: a decode's blocks are in no cache,
+// and the kernel otherwise waits on memory and computes in turn. Empty (len 0) for a prefill
+// token after the first of its chunk, whose blocks the token before it has just read. 64 decodes
+// over ~205 positions (blocks as the engine lays them out), 30 layers: 0.53-0.56 -> 0.42-0.43 ms
+// a layer, against 0.37 to only read those blocks; prefill chunks unchanged.
+template <typename T>
+struct Upcoming {
+  const T* keys = nullptr;
+  const T* values = nullptr;
+  const int32_t* table = nullptr;
+  int64_t len = 0;
+};
+
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_chunk(const Upcoming<T>& next, int64_t start,
+                                                          int64_t block_size, int64_t dim) {
+  for (int64_t pos = start; pos < std::min(next.len, start + kLanes); ++pos) {
+    const int64_t row = row_of(next.table, pos, block_size) * dim;
+    for (int64_t byte = 0; byte < dim * int64_t(sizeof(T)); byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(next.keys + row) + byte, 0, 2);  // L2
+      __builtin_prefetch(reinterpret_cast<const char*>(next.values + row) + byte, 0, 2);
+    }
+  }
+}
+
 // One (token, KV head) of attention over the first `len` positions of a sequence: its G query
 // heads share each key and value row while it is in cache. One pass with an online softmax over 16
 // positions at a time, whose scores form one vector. G and V (= dim / 16) are template arguments
@@ -250,7 +277,7 @@ __attribute__((always_inline)) inline void prefetch_after_jump(const T* key_cach
 template <typename T, int G, int V>
 __attribute__((optimize("fp-contract=fast")))  // FMAs: attention need not match torch bit for bit
 void attend_one(T* out, const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
-                int64_t len, int64_t block_size, float scale) {
+                int64_t len, int64_t block_size, float scale, const Upcoming<T>& next) {
   constexpr int64_t dim = V * kLanes;
   vfloat q[G][V], acc[G][V] = {}, dots[G][kLanes];
   float max[G], sum[G] = {};
@@ -263,6 +290,7 @@ void attend_one(T* out, const T* query, const T* key_cache, const T* value_cache
     const int64_t count = std::min<int64_t>(len - start, kLanes);
     for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(table, start + p, block_size) * dim;
     prefetch_after_jump(key_cache, value_cache, table, start + kLanes, len, block_size, dim);
+    prefetch_chunk(next, start, block_size, dim);
     for (int64_t p = 0; p < kLanes; ++p) {  // each query head's 16 partial dot products per position
       vfloat partial[G] = {};
       if (p < count)
@@ -292,6 +320,7 @@ void attend_one(T* out, const T* query, const T* key_cache, const T* value_cache
       }
     }
   }
+  for (int64_t start = len; start < next.len; start += kLanes) prefetch_chunk(next, start, block_size, dim);
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < V; ++j) store(out + g * dim + j * kLanes, acc[g][j] / sum[g]);
 }
@@ -310,7 +339,8 @@ void attend_one(T* out, const T* query, const T* key_cache, const T* value_cache
 template <int G, int W>
 __attribute__((optimize("fp-contract=fast")))
 void attend_one_bf16_dot(bf16* out, const bf16* query, const bf16* key_cache, const bf16* value_cache,
-                         const int32_t* table, int64_t len, int64_t block_size, float scale) {
+                         const int32_t* table, int64_t len, int64_t block_size, float scale,
+                         const Upcoming<bf16>& next) {
   constexpr int64_t dim = 32 * W;
   __m512bh q[G][W];
   __m512 low[G][W], high[G][W];  // 16 dims each per 32: per 128-bit lane, dims 0-3 and 4-7 of its 8
@@ -329,6 +359,7 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const bf16* key_cache, co
     const int64_t count = std::min<int64_t>(len - start, kLanes);
     for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(table, start + p, block_size) * dim;
     prefetch_after_jump(key_cache, value_cache, table, start + kLanes, len, block_size, dim);
+    prefetch_chunk(next, start, block_size, dim);
     for (int64_t p = 0; p < kLanes; ++p) {
       __m512 partial[G];
       for (int g = 0; g < G; ++g) partial[g] = _mm512_setzero_ps();
@@ -372,6 +403,7 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const bf16* key_cache, co
       }
     }
   }
+  for (int64_t start = len; start < next.len; start += kLanes) prefetch_chunk(next, start, block_size, dim);
   const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int g = 0; g < G; ++g) {
@@ -385,7 +417,8 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const bf16* key_cache, co
 #endif
 
 template <typename T>
-using AttendOne = void (*)(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, float);
+using AttendOne = void (*)(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, float,
+                           const Upcoming<T>&);
 
 template <typename T, int V>
 AttendOne<T> pick_group(int64_t group) {
@@ -435,12 +468,26 @@ void paged_attention(T* out, const T* query, const T* cache, const int32_t* bloc
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) one = dim == 64 ? pick_group_bf16_dot<2>(group) : pick_group_bf16_dot<4>(group);
 #endif
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t item = 0; item < tokens * kv_heads; ++item) {
+  const int64_t items = tokens * kv_heads;
+  auto upcoming = [&](int64_t item) {
+    Upcoming<T> next;
+    const int64_t t = item / kv_heads, kvh = item % kv_heads;
+    if (item < items && (t == 0 || token_rows[t] != token_rows[t - 1])) {
+      next = {cache + kvh * head_cache, cache + (kv_heads + kvh) * head_cache,
+              block_tables + token_rows[t] * table_width, context_lens[t]};
+    }
+    return next;
+  };
+  // Dynamic scheduling by hand: each thread claims its next item before computing the current one,
+  // so that it knows what to prefetch.
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel
+  for (int64_t item = claimed++, following; item < items; item = following) {
+    following = claimed++;
     const int64_t t = item / kv_heads, kvh = item % kv_heads;
     const int64_t offset = (t * heads + kvh * group) * dim;
     one(out + offset, query + offset, cache + kvh * head_cache, cache + (kv_heads + kvh) * head_cache,
-        block_tables + token_rows[t] * table_width, context_lens[t], block_size, scale);
+        block_tables + token_rows[t] * table_width, context_lens[t], block_size, scale, upcoming(following));
   }
 }
 
