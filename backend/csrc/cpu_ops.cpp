@@ -225,25 +225,6 @@ __attribute__((always_inline)) inline int64_t row_of(const int32_t* table, int64
   return (int64_t(table[pos >> shift]) << shift) + (pos & (block_size - 1));
 }
 
-// Where the 16 positions from `next` do not follow the ones before them in memory (another block,
-// anywhere in the cache), ask for their keys and values now: the hardware prefetcher cannot jump
-// there, and each row would otherwise wait on memory. Contiguous blocks are left to it (asking for
-// those too, or asking 2-3 chunks ahead, measured slower, with either attention kernel). 64 decodes
-// of 192 positions, random blocks over 136 MB: 1.6-1.7 -> 1.3-1.5 ms a layer (float32-widening
-// kernel); consecutive blocks unchanged.
-template <typename T>
-__attribute__((always_inline)) inline void prefetch_after_jump(const T* key_cache, const T* value_cache, const int32_t* table, int64_t next,
-                                int64_t len, int64_t block_size, int64_t dim) {
-  if (next >= len || row_of(table, next, block_size) == row_of(table, next - 1, block_size) + 1) return;
-  for (int64_t pos = next; pos < std::min(len, next + kLanes); ++pos) {
-    const int64_t row = row_of(table, pos, block_size) * dim;
-    for (int64_t byte = 0; byte < dim * int64_t(sizeof(T)); byte += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(key_cache + row) + byte);
-      __builtin_prefetch(reinterpret_cast<const char*>(value_cache + row) + byte);
-    }
-  }
-}
-
 // One item of attention work, a (token, KV head): where its keys and values are, its sequence's
 // block table and how many positions it attends to.
 template <typename T>
@@ -254,21 +235,31 @@ struct Item {
   int64_t len = 0;
 };
 
-// The item a thread takes after the current one is asked for into L2 a chunk at a time while the
-// current one computes: a decode's blocks are in no cache, and the kernel otherwise waits on
-// memory and computes in turn. 64 decodes over ~205 positions (blocks as the engine lays them
-// out), 30 layers: 0.53-0.56 -> 0.42-0.43 ms a layer, against 0.37 to only read those blocks.
-// Into L1 instead: 0.63 (it evicts the current item's rows).
-template <typename T>
-__attribute__((always_inline)) inline void prefetch_chunk(const Item<T>& next, int64_t start,
-                                                          int64_t block_size, int64_t dim) {
-  for (int64_t pos = start; pos < std::min(next.len, start + kLanes); ++pos) {
-    const int64_t row = row_of(next.table, pos, block_size) * dim;
+// Ask for the keys and values of an item's positions [start, start + 16) into the cache level
+// `Locality` names (__builtin_prefetch's: 3 = L1, 2 = L2).
+template <int Locality, typename T>
+__attribute__((always_inline)) inline void prefetch_rows(const Item<T>& item, int64_t start, int64_t block_size,
+                                                         int64_t dim) {
+  for (int64_t pos = start; pos < std::min(item.len, start + kLanes); ++pos) {
+    const int64_t row = row_of(item.table, pos, block_size) * dim;
     for (int64_t byte = 0; byte < dim * int64_t(sizeof(T)); byte += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(next.keys + row) + byte, 0, 2);  // L2
-      __builtin_prefetch(reinterpret_cast<const char*>(next.values + row) + byte, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(item.keys + row) + byte, 0, Locality);
+      __builtin_prefetch(reinterpret_cast<const char*>(item.values + row) + byte, 0, Locality);
     }
   }
+}
+
+// Where the 16 positions from `next` do not follow the ones before them in memory (another block,
+// anywhere in the cache), ask for their keys and values now: the hardware prefetcher cannot jump
+// there, and each row would otherwise wait on memory. Contiguous blocks are left to it (asking for
+// those too, or asking 2-3 chunks ahead, measured slower, with either attention kernel). 64 decodes
+// of 192 positions, random blocks over 136 MB: 1.6-1.7 -> 1.3-1.5 ms a layer (float32-widening
+// kernel); consecutive blocks unchanged.
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_after_jump(const Item<T>& item, int64_t next, int64_t block_size,
+                                                               int64_t dim) {
+  if (next >= item.len || row_of(item.table, next, block_size) == row_of(item.table, next - 1, block_size) + 1) return;
+  prefetch_rows<3>(item, next, block_size, dim);
 }
 
 // One (token, KV head) of attention over the first `len` positions of a sequence: its G query
@@ -277,9 +268,10 @@ __attribute__((always_inline)) inline void prefetch_chunk(const Item<T>& next, i
 // so everything lives in registers.
 template <typename T, int G, int V>
 __attribute__((optimize("fp-contract=fast")))  // FMAs: attention need not match torch bit for bit
-void attend_one(T* out, const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
-                int64_t len, int64_t block_size, float scale, const Item<T>& next) {
+void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next, int64_t block_size, float scale) {
   constexpr int64_t dim = V * kLanes;
+  const T *key_cache = item.keys, *value_cache = item.values;
+  const int64_t len = item.len;
   vfloat q[G][V], acc[G][V] = {}, dots[G][kLanes];
   float max[G], sum[G] = {};
   for (int g = 0; g < G; ++g) {
@@ -289,9 +281,9 @@ void attend_one(T* out, const T* query, const T* key_cache, const T* value_cache
   const T* keys[kLanes];
   for (int64_t start = 0; start < len; start += kLanes) {
     const int64_t count = std::min<int64_t>(len - start, kLanes);
-    for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(table, start + p, block_size) * dim;
-    prefetch_after_jump(key_cache, value_cache, table, start + kLanes, len, block_size, dim);
-    prefetch_chunk(next, start, block_size, dim);
+    for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(item.table, start + p, block_size) * dim;
+    prefetch_after_jump(item, start + kLanes, block_size, dim);
+    prefetch_rows<2>(next, start, block_size, dim);
     for (int64_t p = 0; p < kLanes; ++p) {  // each query head's 16 partial dot products per position
       vfloat partial[G] = {};
       if (p < count)
@@ -321,7 +313,7 @@ void attend_one(T* out, const T* query, const T* key_cache, const T* value_cache
       }
     }
   }
-  for (int64_t start = len; start < next.len; start += kLanes) prefetch_chunk(next, start, block_size, dim);
+  for (int64_t start = len; start < next.len; start += kLanes) prefetch_rows<2>(next, start, block_size, dim);
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < V; ++j) store(out + g * dim + j * kLanes, acc[g][j] / sum[g]);
 }
@@ -339,10 +331,11 @@ void attend_one(T* out, const T* query, const T* key_cache, const T* value_cache
 // bench run 464-476 -> 541-555 out tok/s.
 template <int G, int W>
 __attribute__((optimize("fp-contract=fast")))
-void attend_one_bf16_dot(bf16* out, const bf16* query, const bf16* key_cache, const bf16* value_cache,
-                         const int32_t* table, int64_t len, int64_t block_size, float scale,
-                         const Item<bf16>& next) {
+void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, const Item<bf16>& next,
+                         int64_t block_size, float scale) {
   constexpr int64_t dim = 32 * W;
+  const bf16 *key_cache = item.keys, *value_cache = item.values;
+  const int64_t len = item.len;
   __m512bh q[G][W];
   __m512 low[G][W], high[G][W];  // 16 dims each per 32: per 128-bit lane, dims 0-3 and 4-7 of its 8
   vfloat dots[G][kLanes];
@@ -358,9 +351,9 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const bf16* key_cache, co
   const bf16* keys[kLanes];
   for (int64_t start = 0; start < len; start += kLanes) {
     const int64_t count = std::min<int64_t>(len - start, kLanes);
-    for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(table, start + p, block_size) * dim;
-    prefetch_after_jump(key_cache, value_cache, table, start + kLanes, len, block_size, dim);
-    prefetch_chunk(next, start, block_size, dim);
+    for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(item.table, start + p, block_size) * dim;
+    prefetch_after_jump(item, start + kLanes, block_size, dim);
+    prefetch_rows<2>(next, start, block_size, dim);
     for (int64_t p = 0; p < kLanes; ++p) {
       __m512 partial[G];
       for (int g = 0; g < G; ++g) partial[g] = _mm512_setzero_ps();
@@ -404,7 +397,7 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const bf16* key_cache, co
       }
     }
   }
-  for (int64_t start = len; start < next.len; start += kLanes) prefetch_chunk(next, start, block_size, dim);
+  for (int64_t start = len; start < next.len; start += kLanes) prefetch_rows<2>(next, start, block_size, dim);
   const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int g = 0; g < G; ++g) {
@@ -418,8 +411,7 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const bf16* key_cache, co
 #endif
 
 template <typename T>
-using AttendOne = void (*)(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, float,
-                           const Item<T>&);
+using AttendOne = void (*)(T*, const T*, const Item<T>&, const Item<T>&, int64_t, float);
 
 template <typename T, int V>
 AttendOne<T> pick_group(int64_t group) {
@@ -475,8 +467,13 @@ void paged_attention(T* out, const T* query, const T* cache, const int32_t* bloc
     return Item<T>{cache + kvh * head_cache, cache + (kv_heads + kvh) * head_cache,
                    block_tables + token_rows[t] * table_width, context_lens[t]};
   };
-  // Nothing to prefetch past the last item, nor for a prefill token after the first of its chunk:
-  // the token before it has just read the same blocks (prefetching them anyway: prefill 2-3% slower).
+  // The item a thread takes after the current one is asked for into L2 a chunk at a time while the
+  // current one computes: a decode's blocks are in no cache, and the kernel otherwise waits on
+  // memory and computes in turn. 64 decodes over ~205 positions (blocks as the engine lays them
+  // out), 30 layers: 0.53-0.56 -> 0.42-0.43 ms a layer, against 0.37 to only read those blocks;
+  // into L1 instead: 0.63. Nothing to prefetch past the last item, nor for a prefill token after
+  // the first of its chunk: the token before it has just read the same blocks (prefetching them
+  // anyway: prefill 2-3% slower).
   auto to_prefetch = [&](int64_t item) {
     const int64_t t = item / kv_heads;
     return item < items && (t == 0 || token_rows[t] != token_rows[t - 1]) ? item_at(item) : Item<T>{};
@@ -489,10 +486,8 @@ void paged_attention(T* out, const T* query, const T* cache, const int32_t* bloc
     int64_t item = claimed++;
     while (item < items) {
       const int64_t following = claimed++;
-      const Item<T> current = item_at(item);
       const int64_t offset = (item / kv_heads * heads + item % kv_heads * group) * dim;
-      one(out + offset, query + offset, current.keys, current.values, current.table, current.len, block_size,
-          scale, to_prefetch(following));
+      one(out + offset, query + offset, item_at(item), to_prefetch(following), block_size, scale);
       item = following;
     }
   }
