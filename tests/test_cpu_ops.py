@@ -139,29 +139,38 @@ def test_prefill_tokens_attend_causally_over_their_blocks(dtype, heads, kv_heads
         start += new
 
 
-def test_packed_linear_equals_linear_in_bfloat16():
+@pytest.mark.parametrize("out_features, bias", [(960, True), (80, False), (16, True)])
+def test_packed_linear_matches_linear_in_bfloat16(out_features, bias):
+    """Our kernel where the CPU has AVX512-BF16 without AMX (oneDNN's otherwise): whole panels of
+    48 outputs and narrower last ones, row tiles of 8 and the rows left over, more rows than one
+    chunk (512), strided rows, a bias. Each output is the float32 result rounded to bfloat16,
+    give or take the last bit (the sum's order differs)."""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(576, 960, bias=True).to(torch.bfloat16)
+    linear = torch.nn.Linear(576, out_features, bias=bias).to(torch.bfloat16)
     packed = cpu_ops.PackedLinear(linear, batch_size_hint=64)
-    for rows in (1, 7, 64, 300):
-        x = torch.randn(rows, 576, dtype=torch.bfloat16)
-        assert torch.equal(packed(x), linear(x))
+    assert packed.own_kernel == cpu_ops.own_linear_kernel()
+    for rows in (1, 7, 64, 300, 1100):
+        x = torch.randn(rows, 2 * 576, dtype=torch.bfloat16)[:, 576:]
+        expected = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
+        torch.testing.assert_close(packed(x).float(), expected.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-3)
+    assert packed(x.unsqueeze(0)).shape == (1, 1100, out_features)
 
 
 def test_disabled_kernels_fall_back_to_references():
     code = "from backend import cpu_ops; assert not cpu_ops.available(); print('ok')"
     result = subprocess.run([sys.executable, "-c", code], env={"TRITONLLM_CPU_KERNELS": "0", "PATH": ""},
-                            capture_output=True, text=True, cwd=str(cpu_ops.SOURCE.parents[2]))
+                            capture_output=True, text=True, cwd=str(cpu_ops.SOURCES[0].parents[2]))
     assert result.stdout.strip() == "ok", result.stderr
 
 
-def test_portable_build_passes_the_attention_tests():
-    """The attention tests again on the library a CPU without AVX512-BF16 gets (bfloat16 attention
-    then widens to float32 instead of using the dot-product instruction)."""
+def test_portable_build_passes_the_attention_and_linear_tests():
+    """The attention and linear tests again on the library a CPU without AVX512-BF16 gets (bfloat16
+    attention then widens to float32 instead of using the dot-product instruction; linears run on
+    oneDNN)."""
     env = {**os.environ, "TRITONLLM_CPU_KERNELS": "portable"}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                             "-k", "attention_matches or attend_causally or beyond_each_sequence"],
-                            env=env, capture_output=True, text=True, cwd=str(cpu_ops.SOURCE.parents[2]))
+                             "-k", "attention_matches or attend_causally or beyond_each_sequence or packed_linear"],
+                            env=env, capture_output=True, text=True, cwd=str(cpu_ops.SOURCES[0].parents[2]))
     assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
 
 
