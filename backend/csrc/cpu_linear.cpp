@@ -13,6 +13,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -100,33 +101,36 @@ extern "C" void pack_linear_bf16(uint16_t* packed, const uint16_t* weight, int64
   }
 }
 
-// out [rows, out_features] = x [rows, in_features] (rows x_stride apart) @ W^T (+ bias). Each thread
-// takes a contiguous run of panels, so it knows which one to prefetch.
+// out [rows, out_features] = x [rows, in_features] (rows x_stride apart) @ W^T (+ bias). An item is
+// one panel over one chunk of rows; a thread claims its next item before computing the current one,
+// so that it knows which panel to prefetch, and a thread another process holds up leaves its share
+// to the other instead of making it wait at the end.
 extern "C" void linear_bf16(uint16_t* out, const uint16_t* x, int64_t x_stride, int64_t rows,
                             int64_t in_features, const uint16_t* packed, int64_t out_features,
                             const uint16_t* bias) {
   const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  const int64_t items = (rows + kRowChunk - 1) / kRowChunk * panels;
+  auto width_of = [&](int64_t item) { return std::min(kPanel, out_features - item % panels * kPanel); };
+  std::atomic<int64_t> claimed{0};
 #pragma omp parallel
   {
-    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-    const int64_t first = panels * thread / threads, last = panels * (thread + 1) / threads;
-    for (int64_t chunk = 0; chunk < rows; chunk += kRowChunk) {
+    int64_t item = claimed++;
+    while (item < items) {
+      const int64_t following = claimed++;
+      const int64_t chunk = item / panels * kRowChunk, start = item % panels * kPanel, width = width_of(item);
       const int64_t chunk_rows = std::min(kRowChunk, rows - chunk);
-      for (int64_t p = first; p < last; ++p) {
-        const int64_t start = p * kPanel, width = std::min(kPanel, out_features - start);
-        const int64_t next_width = p + 1 < last ? std::min(kPanel, out_features - start - kPanel) : 0;
-        const char* next = reinterpret_cast<const char*>(packed + (start + kPanel) * in_features);
-        const int64_t next_bytes = next_width * in_features * 2;
-        uint16_t* o = out + chunk * out_features + start;
-        const uint16_t* in = x + chunk * x_stride;
-        const uint16_t* panel = packed + start * in_features;
-        const uint16_t* b = bias != nullptr ? bias + start : nullptr;
-        switch (width / 16) {
-          case 3: panel_rows<3>(o, out_features, in, x_stride, chunk_rows, panel, in_features, b, next, next_bytes); break;
-          case 2: panel_rows<2>(o, out_features, in, x_stride, chunk_rows, panel, in_features, b, next, next_bytes); break;
-          default: panel_rows<1>(o, out_features, in, x_stride, chunk_rows, panel, in_features, b, next, next_bytes); break;
-        }
+      const char* next = reinterpret_cast<const char*>(packed + following % panels * kPanel * in_features);
+      const int64_t next_bytes = following < items ? width_of(following) * in_features * 2 : 0;
+      uint16_t* o = out + chunk * out_features + start;
+      const uint16_t* in = x + chunk * x_stride;
+      const uint16_t* panel = packed + start * in_features;
+      const uint16_t* b = bias != nullptr ? bias + start : nullptr;
+      switch (width / 16) {
+        case 3: panel_rows<3>(o, out_features, in, x_stride, chunk_rows, panel, in_features, b, next, next_bytes); break;
+        case 2: panel_rows<2>(o, out_features, in, x_stride, chunk_rows, panel, in_features, b, next, next_bytes); break;
+        default: panel_rows<1>(o, out_features, in, x_stride, chunk_rows, panel, in_features, b, next, next_bytes); break;
       }
+      item = following;
     }
   }
 }
