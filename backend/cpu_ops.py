@@ -28,11 +28,12 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "cpu_linear.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES, HEADERS = [CSRC / "cpu_ops.cpp", CSRC / "cpu_linear.cpp"], [CSRC / "vectors.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
 PORTABLE_FLAGS = ["-mno-avx512bf16"]
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+i64, f32, ptr, flag = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_bool
 SIGNATURES = {
     "rms_norm": [ptr, ptr, i64, ptr, i64, i64, f32],
     "add_rms_norm": [ptr, ptr, ptr, i64, ptr, ptr, i64, i64, f32],
@@ -61,12 +62,12 @@ def cpu_flags() -> str:
 
 
 def build() -> Path:
-    """The library for this source, flags and CPU; compiled when not cached (about a second)."""
+    """The library for these sources, flags and CPU; compiled when not cached (a few seconds)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
     flags = FLAGS + (PORTABLE_FLAGS if os.environ.get("TRITONLLM_CPU_KERNELS") == "portable" else [])
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in SOURCES + HEADERS]
     key = hashlib.sha256("\0".join([*texts, compiler, *flags, cpu_flags()]).encode()).hexdigest()[:16]
     library = cache_dir() / f"tritonllm_cpu_ops_{key}.so"
     if library.is_file():
@@ -95,8 +96,9 @@ def _library() -> ctypes.CDLL | None:
             function = getattr(library, f"{name}_{suffix}")
             function.argtypes, function.restype = argtypes, None
     if hasattr(library, "linear_bf16"):  # built where the compiler targets AVX512-BF16
-        library.pack_linear_bf16.argtypes, library.pack_linear_bf16.restype = [ptr, ptr, i64, i64], None
-        library.linear_bf16.argtypes, library.linear_bf16.restype = [ptr, ptr, i64, i64, i64, ptr, i64, ptr], None
+        library.pack_linear_bf16.argtypes, library.pack_linear_bf16.restype = [ptr, ptr, i64, i64, flag], None
+        library.linear_bf16.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, flag, flag]
+        library.linear_bf16.restype = None
     return library
 
 
@@ -239,18 +241,24 @@ class PackedLinear(nn.Module):
     `own_linear_kernel()` (it prefetches the weights a decode step streams from memory; the offline
     bench in bfloat16: 11.9 -> 9.5 s in linears, 475 -> 594 out tok/s), else into oneDNN's blocked
     layout (15-20% faster than F.linear at decode batch sizes). Our kernel takes output features in
-    multiples of 16 and even input features; on an AMD EPYC with AVX512-BF16 its results equal
-    F.linear's bit for bit."""
+    multiples of 16 and even input features; its results are F.linear's but for about one output
+    in 20,000 a bfloat16 unit away (the float32 sums' order differs from oneDNN's now and then).
 
-    def __init__(self, linear: nn.Linear, batch_size_hint: int) -> None:
+    `gated`: the weight is an MLP's gate and up projections stacked, and `silu_and_mul(x)` gives
+    ops.silu_and_mul(self(x)) in one pass, bit for bit (our kernel, output features a multiple of
+    64; `self.gated` says whether it took the offer)."""
+
+    def __init__(self, linear: nn.Linear, batch_size_hint: int, gated: bool = False) -> None:
         super().__init__()
         weight = linear.weight.detach()
         self.out_features, self.in_features = weight.shape
         self.own_kernel = own_kernel_takes(linear)
+        self.gated = gated and self.own_kernel and self.out_features % 64 == 0
         if self.own_kernel:
             weight = weight.contiguous()
             packed = torch.empty_like(weight)
-            _library().pack_linear_bf16(packed.data_ptr(), weight.data_ptr(), self.out_features, self.in_features)
+            _library().pack_linear_bf16(packed.data_ptr(), weight.data_ptr(), self.out_features, self.in_features,
+                                        self.gated)
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
         self.weight = nn.Parameter(packed, requires_grad=False)
@@ -259,21 +267,29 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.own_kernel:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return self._run(x, silu=False)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.gated, "silu_and_mul needs a PackedLinear whose `gated` is True"
+        return self._run(x, silu=True)
+
+    def _run(self, x: torch.Tensor, silu: bool) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+        out_features = self.out_features // 2 if silu else self.out_features
+        out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
         _library().linear_bf16(out.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], self.in_features,
                                self.weight.data_ptr(), self.out_features,
-                               None if self.bias is None else self.bias.data_ptr())
-        return out.view(*x.shape[:-1], self.out_features)
+                               None if self.bias is None else self.bias.data_ptr(), self.gated, silu)
+        return out.view(*x.shape[:-1], out_features)
 
 
 def pack_linears(model: nn.Module, batch_size_hint: int) -> None:
     """Swap every bfloat16 nn.Linear of a CPU model for a PackedLinear (float32 keeps MKL's
-    sgemm, which the exactness tests hold to Hugging Face)."""
+    sgemm, which the exactness tests hold to Hugging Face); a `gate_up_proj` packs gated."""
     for module in list(model.modules()):
         for name, child in module.named_children():
             if (isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu"
                     and (own_kernel_takes(child) or onednn_packing())):
-                setattr(module, name, PackedLinear(child, batch_size_hint))
+                setattr(module, name, PackedLinear(child, batch_size_hint, gated=name == "gate_up_proj"))

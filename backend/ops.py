@@ -87,6 +87,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul_reference(x)
 
 
+def linear_silu_and_mul(gate_up: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(gate_up(x)), bit for bit, in one pass where the linear applies it as it writes
+    (a CPU PackedLinear packed gated: the offline bench in bfloat16, three paired runs, 1-2% faster)."""
+    if isinstance(gate_up, cpu_ops.PackedLinear) and gate_up.gated:
+        return gate_up.silu_and_mul(x)
+    return silu_and_mul(gate_up(x))
+
+
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write the step's keys and values into the cache, then attend. query [T, H, D], key/value

@@ -156,6 +156,23 @@ def test_packed_linear_matches_linear_in_bfloat16(out_features, bias):
     assert packed(x.unsqueeze(0)).shape == (1, 1100, out_features)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_packed_linear_applies_silu_and_mul(bias):
+    """A gate_up projection packed gated: as a linear it still gives gate then up; silu_and_mul(x)
+    is the two ops in a row bit for bit (rows in uneven tiles, strided, more than a chunk)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 2 * 1536, bias=bias).to(torch.bfloat16)
+    gated = cpu_ops.PackedLinear(linear, batch_size_hint=64, gated=True)
+    plain = cpu_ops.PackedLinear(linear, batch_size_hint=64)
+    assert gated.gated == cpu_ops.own_linear_kernel()
+    if not gated.gated:
+        pytest.skip("the CPU kernel that applies it is not in use here")
+    for rows in (1, 5, 64, 1100):
+        x = torch.randn(rows, 2 * 576, dtype=torch.bfloat16)[:, 576:]
+        assert torch.equal(gated(x), plain(x))
+        assert torch.equal(gated.silu_and_mul(x), cpu_ops.silu_and_mul(plain(x)))
+
+
 def test_disabled_kernels_fall_back_to_references():
     code = "from backend import cpu_ops; assert not cpu_ops.available(); print('ok')"
     result = subprocess.run([sys.executable, "-c", code], env={"TRITONLLM_CPU_KERNELS": "0", "PATH": ""},

@@ -8,6 +8,9 @@
 // for its next item. Measured with the weights coming from memory as in a step, 2 threads, 64 rows
 // (SmolLM2's qkv / o / gate_up / down / lm_head): oneDNN 211 / 153 / 343 / 286 / 355 GFLOP/s, this
 // kernel 352 / 311 / 402 / 372 / 375; at 2,048 rows 407-425 against 436-452.
+//
+// A gated linear (an MLP's gate and up projections, stacked) can also apply SiLU-and-multiply as it
+// writes: its panels hold 32 gate and the 32 matching up outputs side by side.
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
@@ -17,21 +20,30 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vectors.h"
+
 namespace {
 
-// The packed weight: panels of kPanel output columns (the last one may be narrower, a multiple of
-// 16); panel p holds [in_features / 2][width][2]: for each pair of inputs, each column's two weights
-// side by side, which is the operand layout of vdpbf16ps. A tile of 8 rows x 48 columns keeps 24
-// float32 accumulators in registers (of 32), loads three weight vectors per input pair and uses each
-// for 8 rows.
-constexpr int64_t kPanel = 48;
-constexpr int kTileRows = 8;
+// The packed weight: panels of 48 output columns (the last one may be narrower, a multiple of 16),
+// or of 32 gate + 32 up columns for a gated linear; panel p holds [in_features / 2][width][2]: for
+// each pair of inputs, each column's two weights side by side, which is the operand layout of
+// vdpbf16ps. A tile keeps 24 float32 accumulators in registers (of 32): 8 rows x 3 vectors of 16
+// columns, 6 x 4 for a gated panel; each weight vector loaded is used for every row of the tile.
+constexpr int64_t kPanel = 48, kGatedPanel = 64;
 constexpr int64_t kRowChunk = 512;  // rows of x that stay in L2 while every panel passes over them
 
-template <int Rows, int Vectors>
-__attribute__((always_inline)) inline void tile(uint16_t* out, int64_t out_stride, const uint16_t* x,
+// Where a tile's outputs go: vector v < Vectors / 2 to first + 16 v, the others to second +
+// 16 (v - Vectors / 2); with silu, silu(vector v) * vector (v + Vectors / 2) to first + 16 v.
+struct Outputs {
+  uint16_t *first, *second;
+  const uint16_t *first_bias, *second_bias;  // null without a bias
+};
+
+template <int Rows, int Vectors, bool Silu>
+__attribute__((always_inline)) inline void tile(const Outputs& out, int64_t out_stride, const uint16_t* x,
                                                 int64_t x_stride, const uint16_t* panel, int64_t in_features,
-                                                const uint16_t* bias, const char* prefetch, int64_t prefetch_bytes) {
+                                                const char* prefetch, int64_t prefetch_bytes) {
+  constexpr int Half = Vectors / 2;
   constexpr int64_t width = Vectors * 16;
   __m512 acc[Rows][Vectors];
   for (int r = 0; r < Rows; ++r)
@@ -52,83 +64,110 @@ __attribute__((always_inline)) inline void tile(uint16_t* out, int64_t out_strid
       for (int v = 0; v < Vectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], both, weights[v]);
     }
   }
+  vfloat bias[Vectors] = {};
   for (int v = 0; v < Vectors; ++v) {
-    __m512 b = _mm512_setzero_ps();
-    if (bias != nullptr)
-      b = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + v * 16))), 16));
-    for (int r = 0; r < Rows; ++r)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + v * 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], b)));
+    const uint16_t* b = v < Half ? out.first_bias + v * 16 : out.second_bias + (v - Half) * 16;
+    if (out.first_bias != nullptr) bias[v] = load(reinterpret_cast<const bf16*>(b));
+  }
+  for (int r = 0; r < Rows; ++r) {
+    vfloat y[Vectors];
+    for (int v = 0; v < Vectors; ++v) y[v] = round_to<bf16>((vfloat)acc[r][v] + bias[v]);  // the linear's output
+    if constexpr (Silu) {
+      for (int v = 0; v < Half; ++v)
+        store(reinterpret_cast<bf16*>(out.first + r * out_stride + v * 16), silu_and_mul_lanes<bf16>(y[v], y[v + Half]));
+    } else {
+      for (int v = 0; v < Vectors; ++v) {
+        uint16_t* o = v < Half ? out.first + v * 16 : out.second + (v - Half) * 16;
+        store(reinterpret_cast<bf16*>(o + r * out_stride), y[v]);
+      }
+    }
   }
 }
 
-// All rows of one panel, 8 at a time; the first tile prefetches the panel the thread takes next.
-template <int Vectors>
-void panel_rows(uint16_t* out, int64_t out_stride, const uint16_t* x, int64_t x_stride, int64_t rows,
-                const uint16_t* panel, int64_t in_features, const uint16_t* bias, const char* next,
-                int64_t next_bytes) {
-  int64_t r = 0;
-  for (; r + kTileRows <= rows; r += kTileRows, next_bytes = 0)
-    tile<kTileRows, Vectors>(out + r * out_stride, out_stride, x + r * x_stride, x_stride, panel, in_features,
-                             bias, next, next_bytes);
-  switch (rows - r) {
-#define TAIL(R)                                                                                       \
+// `rows` rows of one panel in tiles of at most MaxRows, as even as they come (64 rows, 6 at most:
+// 6 x 9 + 5 x 2, not 6 x 10 + 4); the first tile prefetches the panel the thread takes next.
+template <int MaxRows, int Vectors, bool Silu>
+void panel_rows(Outputs out, int64_t out_stride, const uint16_t* x, int64_t x_stride, int64_t rows,
+                const uint16_t* panel, int64_t in_features, const char* next, int64_t next_bytes) {
+  const int64_t tiles = (rows + MaxRows - 1) / MaxRows;
+  for (int64_t t = 0; t < tiles; ++t, next_bytes = 0) {
+    const int64_t tile_rows = (rows + tiles - 1 - t) / (tiles - t);  // of the rows left, an even share
+    switch (tile_rows) {
+#define TILE(R)                                                                                       \
   case R:                                                                                             \
-    tile<R, Vectors>(out + r * out_stride, out_stride, x + r * x_stride, x_stride, panel, in_features, \
-                     bias, next, next_bytes);                                                         \
+    if constexpr (R <= MaxRows) tile<R, Vectors, Silu>(out, out_stride, x, x_stride, panel, in_features, next, next_bytes); \
     break;
-    TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7)
-#undef TAIL
-    default: break;
+      TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
+#undef TILE
+    }
+    rows -= tile_rows;
+    x += tile_rows * x_stride;
+    out.first += tile_rows * out_stride;
+    out.second += tile_rows * out_stride;
   }
 }
 
 }  // namespace
 
 // weight [out_features, in_features] (nn.Linear's layout) -> the panels above, into `packed` (as
-// many elements). out_features a multiple of 16, in_features even (the Python side checks).
+// many elements). out_features a multiple of 16 (of 64 when gated: gate rows, then as many up
+// rows), in_features even (the Python side checks).
 extern "C" void pack_linear_bf16(uint16_t* packed, const uint16_t* weight, int64_t out_features,
-                                 int64_t in_features) {
+                                 int64_t in_features, bool gated) {
+  const int64_t panel_width = gated ? kGatedPanel : kPanel, half = out_features / 2;
 #pragma omp parallel for
-  for (int64_t start = 0; start < out_features; start += kPanel) {
-    const int64_t width = std::min(kPanel, out_features - start);
+  for (int64_t start = 0; start < out_features; start += panel_width) {
+    const int64_t width = std::min(panel_width, out_features - start);
     uint16_t* panel = packed + start * in_features;
-    for (int64_t pair = 0; pair < in_features / 2; ++pair)
-      for (int64_t c = 0; c < width; ++c)
-        for (int64_t half = 0; half < 2; ++half)
-          panel[(pair * width + c) * 2 + half] = weight[(start + c) * in_features + 2 * pair + half];
+    for (int64_t c = 0; c < width; ++c) {
+      const int64_t row = !gated ? start + c : c < 32 ? start / 2 + c : half + start / 2 + c - 32;
+      for (int64_t k = 0; k < in_features; ++k) panel[(k / 2 * width + c) * 2 + k % 2] = weight[row * in_features + k];
+    }
   }
 }
 
-// out [rows, out_features] = x [rows, in_features] (rows x_stride apart) @ W^T (+ bias). An item is
-// one panel over one chunk of rows; a thread claims its next item before computing the current one,
-// so that it knows which panel to prefetch, and a thread another process holds up leaves its share
-// to the other instead of making it wait at the end.
+// out = x [rows, in_features] (rows x_stride apart) @ W^T (+ bias): [rows, out_features], or with
+// silu (a gated weight) silu(gate) * up, [rows, out_features / 2]. An item is one panel over one
+// chunk of rows; a thread claims its next item before computing the current one, so that it knows
+// which panel to prefetch, and a thread another process holds up leaves its share to the other
+// instead of making it wait at the end.
 extern "C" void linear_bf16(uint16_t* out, const uint16_t* x, int64_t x_stride, int64_t rows,
                             int64_t in_features, const uint16_t* packed, int64_t out_features,
-                            const uint16_t* bias) {
-  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+                            const uint16_t* bias, bool gated, bool silu) {
+  const int64_t panel_width = gated ? kGatedPanel : kPanel, half = out_features / 2;
+  const int64_t panels = (out_features + panel_width - 1) / panel_width;
   const int64_t items = (rows + kRowChunk - 1) / kRowChunk * panels;
-  auto width_of = [&](int64_t item) { return std::min(kPanel, out_features - item % panels * kPanel); };
+  const int64_t out_stride = silu ? half : out_features;
+  auto width_of = [&](int64_t item) { return std::min(panel_width, out_features - item % panels * panel_width); };
   std::atomic<int64_t> claimed{0};
 #pragma omp parallel
   {
     int64_t item = claimed++;
     while (item < items) {
       const int64_t following = claimed++;
-      const int64_t chunk = item / panels * kRowChunk, start = item % panels * kPanel, width = width_of(item);
+      const int64_t chunk = item / panels * kRowChunk, start = item % panels * panel_width;
       const int64_t chunk_rows = std::min(kRowChunk, rows - chunk);
-      const char* next = reinterpret_cast<const char*>(packed + following % panels * kPanel * in_features);
+      const char* next = reinterpret_cast<const char*>(packed + following % panels * panel_width * in_features);
       const int64_t next_bytes = following < items ? width_of(following) * in_features * 2 : 0;
-      uint16_t* o = out + chunk * out_features + start;
       const uint16_t* in = x + chunk * x_stride;
       const uint16_t* panel = packed + start * in_features;
+      uint16_t* o = out + chunk * out_stride;
+      if (gated) {  // columns start / 2 + [0, 32) of the gate half and of the up half
+        const uint16_t* b = bias != nullptr ? bias + start / 2 : nullptr;
+        const Outputs to{o + start / 2, o + half + start / 2, b, b != nullptr ? b + half : nullptr};
+        if (silu) panel_rows<6, 4, true>(to, out_stride, in, x_stride, chunk_rows, panel, in_features, next, next_bytes);
+        else panel_rows<6, 4, false>(to, out_stride, in, x_stride, chunk_rows, panel, in_features, next, next_bytes);
+        item = following;
+        continue;
+      }
+      const int64_t vectors = width_of(item) / 16;
       const uint16_t* b = bias != nullptr ? bias + start : nullptr;
-      switch (width / 16) {
-        case 3: panel_rows<3>(o, out_features, in, x_stride, chunk_rows, panel, in_features, b, next, next_bytes); break;
-        case 2: panel_rows<2>(o, out_features, in, x_stride, chunk_rows, panel, in_features, b, next, next_bytes); break;
-        default: panel_rows<1>(o, out_features, in, x_stride, chunk_rows, panel, in_features, b, next, next_bytes); break;
+      const int64_t second = vectors / 2 * 16;  // where the vectors past the first half go: the next ones
+      const Outputs to{o + start, o + start + second, b, b != nullptr ? b + second : nullptr};
+      switch (vectors) {
+        case 3: panel_rows<8, 3, false>(to, out_stride, in, x_stride, chunk_rows, panel, in_features, next, next_bytes); break;
+        case 2: panel_rows<12, 2, false>(to, out_stride, in, x_stride, chunk_rows, panel, in_features, next, next_bytes); break;
+        default: panel_rows<12, 1, false>(to, out_stride, in, x_stride, chunk_rows, panel, in_features, next, next_bytes); break;
       }
       item = following;
     }

@@ -18,57 +18,9 @@
 #include <immintrin.h>
 #endif
 
+#include "vectors.h"
+
 namespace {
-
-struct bf16 {
-  uint16_t bits;
-};
-
-// 16 float lanes in GCC's generic vectors: one AVX-512 register here, split by the compiler
-// where the CPU has narrower ones. Rows are whole vectors (the Python side checks size % 16).
-constexpr int64_t kLanes = 16;
-typedef float vfloat __attribute__((vector_size(64)));
-typedef uint32_t vuint __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
-typedef uint16_t vhalf __attribute__((vector_size(32)));
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vfloat load(const bf16* p) {  // bfloat16 is the top half of a float32
-  vhalf h;
-  std::memcpy(&h, p, sizeof h);
-  vuint u = __builtin_convertvector(h, vuint) << 16;
-  vfloat v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
-inline void store(bf16* p, vfloat v) {  // round to nearest even, NaN kept quiet, as torch does
-  vuint u;
-  std::memcpy(&u, &v, sizeof u);
-  vuint rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  vuint is_nan = (vuint)(v != v);
-  rounded = (is_nan & 0x7fc0u) | (~is_nan & rounded);
-  vhalf h = __builtin_convertvector(rounded, vhalf);
-  std::memcpy(p, &h, sizeof h);
-}
-
-// The value an op computed in T holds: float32 rounded to T (nearest even) and widened again.
-template <typename T> inline vfloat round_to(vfloat v);
-template <> inline vfloat round_to<float>(vfloat v) { return v; }
-template <> inline vfloat round_to<bf16>(vfloat v) {
-  vuint u;
-  std::memcpy(&u, &v, sizeof u);
-  vuint rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  vfloat r;
-  std::memcpy(&r, &rounded, sizeof r);
-  return v != v ? v : r;
-}
-
-inline vfloat splat(float x) { return vfloat{} + x; }
 
 // Horizontal reductions in four shuffle steps (lane i meets lane i ^ 8, ^ 4, ^ 2, ^ 1).
 template <typename Op> inline float reduce_lanes(vfloat v, Op op) {
@@ -181,28 +133,6 @@ inline vfloat sum_each(vfloat p[kLanes]) {
   return fold<1>(p[0], p[1]);
 }
 
-// exp on 16 lanes: 2^n * e^r with |r| <= ln2 / 2 and a degree-6 polynomial (Cephes' expf,
-// a few ulp), for softmax and silu. Inputs are clamped to [-87, 88]: e^x is then (almost) 0 below
-// and a huge finite number above, where callers only divide by it.
-inline vfloat exp_lanes(vfloat x) {
-  x = x < -87.f ? splat(-87.f) : x;
-  x = x > 88.f ? splat(88.f) : x;
-  vfloat n = x * 1.44269504088896341f;
-  n = __builtin_convertvector(__builtin_convertvector(n + (n < 0.f ? splat(-0.5f) : splat(0.5f)), vint), vfloat);
-  vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vfloat poly = splat(1.9875691500e-4f);
-  poly = poly * r + 1.3981999507e-3f;
-  poly = poly * r + 8.3334519073e-3f;
-  poly = poly * r + 4.1665795894e-2f;
-  poly = poly * r + 1.6666665459e-1f;
-  poly = poly * r + 5.0000001201e-1f;
-  poly = poly * r * r + r + 1.f;
-  vint exponent = (__builtin_convertvector(n, vint) + 127) << 23;
-  vfloat scale;
-  std::memcpy(&scale, &exponent, sizeof scale);
-  return poly * scale;
-}
-
 // x [rows, 2 * size] (gate, then up) -> silu(gate) * up, silu rounded to T first as torch does.
 template <typename T>
 void silu_and_mul(T* out, const T* x, int64_t rows, int64_t size) {
@@ -210,8 +140,7 @@ void silu_and_mul(T* out, const T* x, int64_t rows, int64_t size) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = x + r * 2 * size;
     for (int64_t i = 0; i < size; i += kLanes) {
-      vfloat g = load(gate + i);
-      store(out + r * size + i, round_to<T>(g / (1.f + exp_lanes(-g))) * load(gate + size + i));
+      store(out + r * size + i, silu_and_mul_lanes<T>(load(gate + i), load(gate + size + i)));
     }
   }
 }

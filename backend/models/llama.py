@@ -159,7 +159,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return distributed.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), self.parallel)
+        return distributed.all_reduce(self.down_proj(ops.linear_silu_and_mul(self.gate_up_proj, x)), self.parallel)
 
 
 class DecoderLayer(nn.Module):
