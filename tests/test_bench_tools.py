@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+
+import pytest
 
 from tools import bench
+from tools.bench_aiperf import aiperf_command, figures_from_export
 from tools.bench_workloads import make_workload, percentile
 
 
@@ -56,3 +60,95 @@ def test_runs_cover_each_dtype_and_each_vllm_binding():
     # One dtype and one binding: the bare mode names, as single runs have always been labelled.
     assert [r.label for r in bench.plan_runs(["offline", "vllm-serve"], ["bfloat16"], ["all"])] == [
         "offline", "vllm-serve"]
+
+
+# A real aiperf 0.13.0 export (profile_export_aiperf.json of 64 requests, 128 tokens in and out, at
+# concurrency 64, against `vllm serve` on the 2-core machine), trimmed to the entries the bench reads.
+AIPERF_EXPORT = {
+    "schema_version": "1.4", "aiperf_version": "0.13.0",
+    "request_throughput": {"unit": "requests/sec", "avg": 2.058},
+    "request_count": {"unit": "requests", "avg": 64.0},
+    "time_to_first_token": {"unit": "ms", "avg": 6252.882, "p50": 6273.552, "p90": 10007.224, "p99": 10009.685,
+                            "count": 64},
+    "inter_token_latency": {"unit": "ms", "avg": 193.892, "p50": 193.483, "p90": 221.202, "p99": 227.747,
+                            "count": 64},
+    "output_token_throughput": {"unit": "tokens/sec", "avg": 263.398},
+    "inter_chunk_latency": {"unit": "ms", "avg": 199.437, "p50": 167.201, "p90": 186.177, "p99": 2415.374,
+                            "count": 7902},
+    "request_latency": {"unit": "ms", "avg": 30877.125, "p50": 30906.123, "p90": 31045.502, "p99": 31062.663,
+                        "count": 64},
+    "benchmark_duration": {"unit": "sec", "avg": 31.094},
+    "input_token_throughput": {"unit": "tokens/sec", "avg": 263.398},
+}
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_aiperf_command_asks_for_the_vllm_bench_workload():
+    command = aiperf_command(".venv-aiperf/bin/aiperf", "http://127.0.0.1:9000", "llm", "/models/smol",
+                             input_len=128, output_len=64, num_prompts=32, concurrency=8,
+                             request_rate=float("inf"), seed=3, artifact_dir="/tmp/out")
+    assert command[:2] == [".venv-aiperf/bin/aiperf", "profile"]
+    flags = {}
+    for flag, value in zip(command, command[1:] + [None]):
+        if flag.startswith("--"):
+            flags.setdefault(flag, []).append(None if value is None or value.startswith("--") else value)
+    assert {flag: values[0] for flag, values in flags.items()} == {
+        "--model": "llm", "--tokenizer": "/models/smol", "--url": "http://127.0.0.1:9000",
+        "--extra-inputs": "ignore_eos:true",
+        "--endpoint-type": "completions", "--streaming": None, "--isl": "128", "--isl-stddev": "0",
+        "--osl": "64", "--osl-stddev": "0", "--prompt-corpus": "random", "--random-seed": "3",
+        "--use-legacy-max-tokens": None, "--use-server-token-count": None, "--request-count": "32",
+        "--concurrency": "8", "--ui-type": "none", "--no-server-metrics": None, "--no-gpu-telemetry": None,
+        "--no-auto-plot": None, "--export-level": "summary", "--artifact-dir": "/tmp/out"}
+    assert all(len(values) == 1 for values in flags.values())
+    paced = aiperf_command("aiperf", "u", "m", "t", input_len=1, output_len=1, num_prompts=1, concurrency=1,
+                           request_rate=2.5, seed=0, artifact_dir="d")
+    assert paced[paced.index("--request-rate") + 1] == "2.5"
+
+
+def test_aiperf_export_becomes_the_bench_figures():
+    figures = figures_from_export(AIPERF_EXPORT)
+    assert figures == {
+        "output_tokens_per_s": 263.398, "request_throughput": 2.058, "input_tokens_per_s": 263.398,
+        "seconds": 31.094, "requests": 64.0, "failed": 0, "client": "aiperf 0.13.0",
+        "ttft_p50_ms": 6273.552, "ttft_p90_ms": 10007.224, "ttft_p99_ms": 10009.685,
+        # aiperf's per-request inter-token latency is our TPOT; its inter-chunk latency our ITL.
+        "tpot_p50_ms": 193.483, "tpot_p90_ms": 221.202, "tpot_p99_ms": 227.747,
+        "itl_p50_ms": 167.201, "itl_p90_ms": 186.177, "itl_p99_ms": 2415.374,
+        "e2e_p50_ms": 30906.123, "e2e_p90_ms": 31045.502, "e2e_p99_ms": 31062.663}
+    failing = {**AIPERF_EXPORT, "error_request_count": {"unit": "requests", "avg": 3.0}}
+    assert figures_from_export(failing)["failed"] == 3.0 and figures_from_export(failing)["requests"] == 67.0
+
+
+def test_client_aiperf_runs_the_given_executable_per_concurrency(tmp_path, monkeypatch):
+    # A stand-in executable: it records what it was run with and writes the real export above
+    # where aiperf would, so this checks the bench's plumbing without aiperf installed.
+    seen = tmp_path / "seen.jsonl"
+    stand_in = tmp_path / "aiperf"
+    stand_in.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"open({str(seen)!r}, 'a').write(json.dumps([sys.argv, 'HF_HUB_OFFLINE' in os.environ]) + '\\n')\n"
+        "out = sys.argv[sys.argv.index('--artifact-dir') + 1]\n"
+        f"open(os.path.join(out, 'profile_export_aiperf.json'), 'w').write({json.dumps(AIPERF_EXPORT)!r})\n")
+    stand_in.chmod(0o755)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # aiperf 0.13 cannot load a local tokenizer under it
+    args = bench_args("--client", "aiperf", "--aiperf", str(stand_in), "--model", str(tmp_path),
+                      "--num-prompts", "16")
+    args.concurrency = [4, 16]
+    results = bench.run_server_mode("openai", {"openai": "http://127.0.0.1:9", "model": "llm"}, args, None)
+    assert [(r["concurrency"], r["client"], r["output_tokens_per_s"]) for r in results] == [
+        (4, "aiperf 0.13.0", 263.398), (16, "aiperf 0.13.0", 263.398)]
+    runs = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert [argv[argv.index("--concurrency") + 1] for argv, _ in runs] == ["4", "16"]
+    assert all(argv[argv.index("--tokenizer") + 1] == str(tmp_path) for argv, _ in runs)
+    assert not any(offline for _, offline in runs)
+
+
+def test_client_aiperf_needs_its_executable():
+    with pytest.raises(SystemExit, match="--aiperf PATH"):
+        bench.run(bench_args("--modes", "openai", "--client", "aiperf"))

