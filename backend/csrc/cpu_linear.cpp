@@ -65,10 +65,9 @@ __attribute__((always_inline)) inline void tile(const Outputs& out, int64_t out_
     }
   }
   vfloat bias[Vectors] = {};
-  for (int v = 0; v < Vectors; ++v) {
-    const uint16_t* b = v < Half ? out.first_bias + v * 16 : out.second_bias + (v - Half) * 16;
-    if (out.first_bias != nullptr) bias[v] = load(reinterpret_cast<const bf16*>(b));
-  }
+  if (out.first_bias != nullptr)
+    for (int v = 0; v < Vectors; ++v)
+      bias[v] = load(reinterpret_cast<const bf16*>(v < Half ? out.first_bias + v * 16 : out.second_bias + (v - Half) * 16));
   for (int r = 0; r < Rows; ++r) {
     vfloat y[Vectors];
     for (int v = 0; v < Vectors; ++v) y[v] = round_to<bf16>((vfloat)acc[r][v] + bias[v]);  // the linear's output
