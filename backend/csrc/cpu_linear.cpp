@@ -69,15 +69,15 @@ __attribute__((always_inline)) inline void tile(const Outputs& out, int64_t out_
     for (int v = 0; v < Vectors; ++v)
       bias[v] = load(reinterpret_cast<const bf16*>(v < Half ? out.first_bias + v * 16 : out.second_bias + (v - Half) * 16));
   for (int r = 0; r < Rows; ++r) {
-    vfloat y[Vectors];
-    for (int v = 0; v < Vectors; ++v) y[v] = round_to<bf16>((vfloat)acc[r][v] + bias[v]);  // the linear's output
-    if constexpr (Silu) {
+    if constexpr (Silu) {  // on the linear's outputs as stored (rounded to bf16), as the op alone reads them
       for (int v = 0; v < Half; ++v)
-        store(reinterpret_cast<bf16*>(out.first + r * out_stride + v * 16), silu_and_mul_lanes<bf16>(y[v], y[v + Half]));
+        store(reinterpret_cast<bf16*>(out.first + r * out_stride + v * 16),
+              silu_and_mul_lanes<bf16>(round_to<bf16>((vfloat)acc[r][v] + bias[v]),
+                                       round_to<bf16>((vfloat)acc[r][v + Half] + bias[v + Half])));
     } else {
       for (int v = 0; v < Vectors; ++v) {
         uint16_t* o = v < Half ? out.first + v * 16 : out.second + (v - Half) * 16;
-        store(reinterpret_cast<bf16*>(o + r * out_stride), y[v]);
+        store(reinterpret_cast<bf16*>(o + r * out_stride), (vfloat)acc[r][v] + bias[v]);  // store rounds
       }
     }
   }
@@ -156,17 +156,16 @@ extern "C" void linear_bf16(uint16_t* out, const uint16_t* x, int64_t x_stride, 
         const Outputs to{o + start / 2, o + half + start / 2, b, b != nullptr ? b + half : nullptr};
         if (silu) panel_rows<6, 4, true>(to, out_stride, in, x_stride, chunk_rows, panel, in_features, next, next_bytes);
         else panel_rows<6, 4, false>(to, out_stride, in, x_stride, chunk_rows, panel, in_features, next, next_bytes);
-        item = following;
-        continue;
-      }
-      const int64_t vectors = width_of(item) / 16;
-      const uint16_t* b = bias != nullptr ? bias + start : nullptr;
-      const int64_t second = vectors / 2 * 16;  // where the vectors past the first half go: the next ones
-      const Outputs to{o + start, o + start + second, b, b != nullptr ? b + second : nullptr};
-      switch (vectors) {
-        case 3: panel_rows<8, 3, false>(to, out_stride, in, x_stride, chunk_rows, panel, in_features, next, next_bytes); break;
-        case 2: panel_rows<12, 2, false>(to, out_stride, in, x_stride, chunk_rows, panel, in_features, next, next_bytes); break;
-        default: panel_rows<12, 1, false>(to, out_stride, in, x_stride, chunk_rows, panel, in_features, next, next_bytes); break;
+      } else {
+        const int64_t vectors = width_of(item) / 16;
+        const uint16_t* b = bias != nullptr ? bias + start : nullptr;
+        const int64_t second = vectors / 2 * 16;  // where the vectors past the first half go: the next ones
+        const Outputs to{o + start, o + start + second, b, b != nullptr ? b + second : nullptr};
+        switch (vectors) {
+          case 3: panel_rows<8, 3, false>(to, out_stride, in, x_stride, chunk_rows, panel, in_features, next, next_bytes); break;
+          case 2: panel_rows<12, 2, false>(to, out_stride, in, x_stride, chunk_rows, panel, in_features, next, next_bytes); break;
+          default: panel_rows<12, 1, false>(to, out_stride, in, x_stride, chunk_rows, panel, in_features, next, next_bytes); break;
+        }
       }
       item = following;
     }
