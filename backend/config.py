@@ -38,6 +38,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
     preemption_mode: str = field(default="recompute", metadata={"help": "recompute or swap"})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs, or priority (lower value first)"})
+    stream_interval: int = field(default=1, metadata={
+        "help": "streamed outputs every this many tokens (the first at once): fewer, larger messages, "
+                "less host work per token"})
     swap_space: float = field(default=4.0, metadata={"help": "GiB of CPU swap space for preemption_mode=swap"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel workers"})
     pipeline_parallel_size: int = field(default=1, metadata={"help": "pipeline-parallel stages"})
@@ -69,6 +72,7 @@ class EngineConfig:
               "block_size", "must be a positive power of two")
         check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
         check(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
+        check(self.stream_interval >= 1, "stream_interval", "must be at least 1")
         check(self.max_waiting_requests is None or self.max_waiting_requests > 0,
               "max_waiting_requests", "must be positive, or none for no limit")
         check(self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,

@@ -126,7 +126,9 @@ class LLMEngine:
                              f"{self.kv_cache.num_blocks} exist; raise kv_cache_memory_bytes")
         params.all_stop_token_ids = self.eos_token_ids | set(params.stop_token_ids or ())
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
-        parent = ParentRequest(request_id, prompt_text, prompt_ids, params.output_kind)
+        # A request may stream more sparsely than the server does, not more densely (as in vLLM).
+        stream_interval = max(params.stream_interval or 1, self.config.stream_interval)
+        parent = ParentRequest(request_id, prompt_text, prompt_ids, params.output_kind, stream_interval)
         arrival_time = arrival_time or time.time()
         for index in range(params.n):
             child_params = params

@@ -3,7 +3,10 @@
 A user request with n samples is a parent of n child Requests that the scheduler runs independently
 (their prompts share KV blocks through the prefix cache). This module appends each child's new
 token, decides whether it finished and why, and assembles the parent's RequestOutput in the kind the
-caller asked for (cumulative, delta or final only).
+caller asked for (cumulative, delta or final only). A stream interval above 1 (vLLM's
+`stream_interval`) makes streamed outputs rarer: a sample's first token goes out at once, then its
+news every `stream_interval` tokens and at its end, each output carrying all that is new, so that
+the serving path handles a fraction of the messages.
 """
 
 from __future__ import annotations
@@ -21,8 +24,15 @@ from backend.sampling_params import RequestOutputKind
 class ChildState:
     request: Request
     detokenizer: IncrementalDetokenizer | None
-    sent_tokens: int = 0  # what DELTA outputs have already carried
+    sent_tokens: int = 0  # what outputs have already carried (DELTA ones carry only what follows)
     sent_text: int = 0
+
+    def due(self, stream_interval: int) -> bool:
+        """Whether this sample's news goes out now: its first token, every `stream_interval`
+        tokens after that, and its end."""
+        request = self.request
+        return (stream_interval == 1 or request.is_finished or self.sent_tokens == 0
+                or request.num_output_tokens - self.sent_tokens >= stream_interval)
 
 
 @dataclass
@@ -31,6 +41,7 @@ class ParentRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     output_kind: RequestOutputKind
+    stream_interval: int = 1
     children: list[ChildState] = field(default_factory=list)
 
     @property
@@ -90,11 +101,15 @@ def make_output(parent: ParentRequest, updated: set[int] | None) -> RequestOutpu
     kind = parent.output_kind
     if kind == RequestOutputKind.FINAL_ONLY and not finished:
         return None
-    outputs = []
-    for child in parent.children:
-        if kind == RequestOutputKind.DELTA and updated is not None and child.request.index not in updated:
-            continue
-        outputs.append(_completion(child, delta=kind == RequestOutputKind.DELTA))
+    news = [child for child in parent.children if updated is None or child.request.index in updated]
+    due = [child for child in news if child.due(parent.stream_interval)]
+    if not due and not finished:
+        return None
+    if kind == RequestOutputKind.DELTA:
+        children = due if not finished else news
+    else:
+        children = parent.children
+    outputs = [_completion(child, delta=kind == RequestOutputKind.DELTA) for child in children]
     first = parent.children[0].request
     return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
                          num_cached_tokens=first.num_cached_tokens, metrics=first.metrics)
@@ -106,9 +121,9 @@ def _completion(child: ChildState, delta: bool) -> CompletionOutput:
     text = child.detokenizer.emittable_text(finished) if child.detokenizer else ""
     token_ids = request.output_token_ids
     logprobs = request.logprobs
+    text_start, token_start = child.sent_text, child.sent_tokens
+    child.sent_text, child.sent_tokens = len(text), len(token_ids)
     if delta:
-        text_start, token_start = child.sent_text, child.sent_tokens
-        child.sent_text, child.sent_tokens = len(text), len(token_ids)
         text, token_ids = text[text_start:], token_ids[token_start:]
         logprobs = logprobs[token_start:] if logprobs is not None else None
     else:

@@ -94,6 +94,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    stream_interval: int | None = None  # streamed outputs every this many tokens (None: the server's)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Set by the engine, never by users: end-of-sequence ids from the model's generation config.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -115,7 +116,7 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
 
-        integers = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed")
+        integers = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed", "stream_interval")
         for name in integers:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -140,6 +141,7 @@ class SamplingParams:
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               "min_tokens", f"must be at most max_tokens ({self.max_tokens})")
         check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        check(self.stream_interval is None or self.stream_interval >= 1, "stream_interval", "must be at least 1")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []),
               "stop_token_ids", "must be non-negative integers")
         check(self.seed is None or -(1 << 63) <= self.seed < (1 << 64), "seed", "must fit in 64 bits")

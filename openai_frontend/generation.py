@@ -22,7 +22,7 @@ request_log = logging.getLogger("openai_frontend.requests")
 
 PASSED_THROUGH = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop",
                   "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                  "include_stop_str_in_output", "skip_special_tokens")
+                  "include_stop_str_in_output", "skip_special_tokens", "stream_interval")
 
 
 def structured_outputs(request: SamplingRequest) -> tuple[dict | None, str | None]:

@@ -152,3 +152,20 @@ def test_client_aiperf_runs_the_given_executable_per_concurrency(tmp_path, monke
 def test_client_aiperf_needs_its_executable():
     with pytest.raises(SystemExit, match="--aiperf PATH"):
         bench.run(bench_args("--modes", "openai", "--client", "aiperf"))
+
+
+def test_stream_interval_reaches_both_servers(tmp_path, monkeypatch):
+    commands = []
+
+    def popen(command, **_):
+        commands.append(command)
+        raise RuntimeError("not started")  # the command line is all this test needs
+
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    args = bench_args("--stream-interval", "4", "--model", str(tmp_path), "--vllm-python", sys.executable)
+    for start in (bench.start_tritonllm, bench.start_vllm_serve):
+        with pytest.raises(RuntimeError, match="not started"):
+            start(args)
+    assert [c[c.index("--stream-interval") + 1] for c in commands] == ["4", "4"]
+    with pytest.raises(SystemExit, match="--stream-interval"):
+        bench.run(bench_args("--stream-interval", "0"))

@@ -66,3 +66,30 @@ def test_streaming_never_shows_a_stop_string(llm):
             seen += output.outputs[0].text
             assert stop not in seen
     assert seen == base[:base.index(stop)]
+
+
+def stream(engine, prompt: str, params: SamplingParams) -> list:
+    engine.add_request("interval", prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
+
+
+def test_stream_interval_sends_the_first_token_then_every_n(llm, monkeypatch):
+    engine = llm.llm_engine
+    prompt = "Use three emoji to describe a sunny day:"
+    final = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    delta = stream(engine, prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stream_interval=4,
+                                                  output_kind=RequestOutputKind.DELTA))
+    assert [len(o.outputs[0].token_ids) for o in delta] == [1, 4, 4, 1]  # tokens 1, 2-5, 6-9, 10
+    assert "".join(o.outputs[0].text for o in delta) == final.text
+    assert sum((o.outputs[0].token_ids for o in delta), []) == final.token_ids
+    assert [o.finished for o in delta] == [False, False, False, True]
+
+    # Cumulative outputs come as rarely; the server's interval is a floor for every request's.
+    monkeypatch.setattr(engine.config, "stream_interval", 3)
+    cumulative = stream(engine, prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                       stream_interval=2))
+    assert [len(o.outputs[0].token_ids) for o in cumulative] == [1, 4, 7, 10]
+    assert cumulative[-1].outputs[0].text == final.text

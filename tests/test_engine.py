@@ -79,6 +79,8 @@ def test_engine_config_validation_names_the_field():
     assert (config.max_num_seqs, config.enable_prefix_caching, config.kv_cache_memory_bytes) == (8, False, 1 << 20)
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig.from_dict({"max_num_seqs": "many"})
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineConfig(stream_interval=0)
 
 
 def test_cli_flags_are_the_config_fields():

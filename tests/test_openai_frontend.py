@@ -268,6 +268,12 @@ def test_completion_stream_echo_and_usage(serve, client, model_name):
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].usage == full.usage
+    # vLLM's stream_interval: the first token at once, then every 4 (8 tokens: 3 chunks, not 8).
+    sparse = list(client.completions.create(model=model_name, prompt="List three primary colors:", max_tokens=8,
+                                            temperature=0, stream=True, extra_body={"stream_interval": 4}))
+    pieces = [c.choices[0].text for c in sparse if c.choices and c.choices[0].text]
+    assert "".join(pieces) == full.choices[0].text.removeprefix("List three primary colors:")
+    assert len(pieces) <= 3
 
 
 def test_stop_strings(client, model_name):

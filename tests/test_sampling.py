@@ -168,7 +168,8 @@ def test_top_k_top_p_mask():
                                  dict(n=0), dict(logprobs=21), dict(min_tokens=5, max_tokens=2),
                                  dict(top_k=1e30), dict(seed=1 << 70), dict(temperature="hot"),
                                  dict(max_tokens=2.5), dict(temperature=float("nan")),
-                                 dict(repetition_penalty=float("inf"))])
+                                 dict(repetition_penalty=float("inf")),
+                                 dict(stream_interval=0), dict(stream_interval=2.0)])
 def test_invalid_sampling_params_name_the_field(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
@@ -178,6 +179,7 @@ def test_sampling_params_from_json_casts_strings():
     params = SamplingParams.from_dict({"temperature": "0.5", "max_tokens": "7", "ignore_eos": "true",
                                        "stop": "x"})
     assert (params.temperature, params.max_tokens, params.ignore_eos, params.stop) == (0.5, 7, True, ["x"])
+    assert SamplingParams.from_dict({"stream_interval": "4"}).stream_interval == 4
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         SamplingParams.from_dict({"temprature": 1})
 

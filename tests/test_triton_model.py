@@ -230,6 +230,13 @@ def test_grpc_stream_concatenates_to_offline_greedy_text(server, greedy):
     assert responses[0].as_numpy("finish_reason")[0].decode() == "None"
     assert int(responses[0].as_numpy("num_input_tokens")[0]) == len(expected.prompt_token_ids)
 
+    # A stream interval of 8: the first token alone, then 8 at a time, the rest with the final response.
+    sparse = generate(server, PROMPT, {"temperature": 0, "max_tokens": 24, "stream_interval": 8}, stream=True,
+                      exclude_input_in_output=True, return_num_output_tokens=True)
+    sparse = [r for r in sparse if texts(r)]  # the empty final response carries nothing
+    assert [int(r.as_numpy("num_output_tokens")[0]) for r in sparse] == [1, 8, 8, 7]
+    assert "".join(texts(r)[0] for r in sparse) == completion.text
+
     # Not streaming: one final response; the prompt is echoed unless excluded.
     [echoed] = generate(server, PROMPT, {"temperature": 0, "max_tokens": 24})
     assert texts(echoed) == [PROMPT + completion.text]

@@ -439,6 +439,8 @@ def start_tritonllm(args) -> tuple[subprocess.Popen, dict]:
         command += ["--model", args.model]
     for name, value in json.loads(args.engine_args).items():
         command += ["--" + name.replace("_", "-"), str(value)]
+    if args.stream_interval != 1:
+        command += ["--stream-interval", str(args.stream_interval)]
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL)
     wait_http(f"http://127.0.0.1:{ports['openai']}/health", 900, process)
     with urllib.request.urlopen(f"http://127.0.0.1:{ports['openai']}/v1/models") as response:
@@ -453,6 +455,8 @@ def start_vllm_serve(args) -> tuple[subprocess.Popen, dict]:
     port = free_port()
     command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", resolved_model(args),
                "--dtype", args.dtype, "--port", str(port), "--seed", "0"]
+    if args.stream_interval != 1:
+        command += ["--stream-interval", str(args.stream_interval)]
     process = subprocess.Popen(command, start_new_session=True, env=vllm_environment(args),
                                stdout=subprocess.DEVNULL)
     wait_http(f"http://127.0.0.1:{port}/health", 900, process)
@@ -573,6 +577,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-args", default="{}", help="JSON of extra EngineConfig fields")
     parser.add_argument("--concurrency", default="64", help="comma-separated, for server modes")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="tokens per streamed chunk for the servers we start, ours and `vllm serve` alike "
+                             "(vLLM's --stream-interval; 1 streams every token)")
     parser.add_argument("--grpc-url", default=None, help="use a running Triton instead of starting one")
     parser.add_argument("--openai-url", default=None, help="use a running frontend instead of starting one")
     parser.add_argument("--metrics-url", default=None, help="Prometheus endpoint of the running server")
@@ -599,6 +606,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--modes: unknown {', '.join(unknown)}")
     if (any(m.startswith("vllm") for m in modes) or args.client == "vllm-bench") and not args.vllm_python:
         raise SystemExit("vllm modes and --client vllm-bench need --vllm-python PATH")
+    if args.stream_interval < 1:
+        raise SystemExit("--stream-interval: must be at least 1")
     if args.client == "aiperf" and not args.aiperf:
         raise SystemExit("--client aiperf needs --aiperf PATH (tools/setup_aiperf.sh prints it)")
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
@@ -648,7 +657,8 @@ def run(args: argparse.Namespace) -> int:
     print_report(results, references)
     if args.json:
         Path(args.json).write_text(json.dumps({"workload": workload.name, "num_prompts": len(workload.prompts),
-                                               "results": results}, indent=2))
+                                               "stream_interval": args.stream_interval, "results": results},
+                                              indent=2))
     if args.plot:
         plot(results, args.plot)
     return 0
