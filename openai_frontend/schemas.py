@@ -68,8 +68,9 @@ class SamplingRequest(Request):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    stream_interval: int | None = Field(None, ge=1, lt=2**31, description="tokens per streamed chunk (the first "
-                                                                   "at once); never below the server's")
+    stream_interval: int | None = Field(None, ge=1, lt=2**31,
+                                        description="tokens per streamed chunk (the first at once); at least "
+                                                    "the server's --stream-interval")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 

@@ -344,6 +344,7 @@ ERROR_CASES = [
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
     ("chat/completions", {"response_format": {"type": "json_schema"}}, 400, "response_format.json_schema", None),
     ("completions", {"logprobs": 21}, 400, "logprobs", None),
+    ("completions", {"stream_interval": 0, "stream": True}, 400, "stream_interval", None),
     ("completions", {"min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", None),
     ("completions", {"logit_bias": {"not-a-token": 1}}, 400, "logit_bias", None),
     ("completions", {"logit_bias": {"²": 1}}, 400, "logit_bias", None),
