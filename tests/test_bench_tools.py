@@ -147,6 +147,29 @@ def test_client_aiperf_runs_the_given_executable_per_concurrency(tmp_path, monke
     assert [argv[argv.index("--concurrency") + 1] for argv, _ in runs] == ["4", "16"]
     assert all(argv[argv.index("--tokenizer") + 1] == str(tmp_path) for argv, _ in runs)
     assert not any(offline for _, offline in runs)
+    salts = [[v for f, v in zip(argv, argv[1:]) if f == "--extra-inputs" and v.startswith("cache_salt:")]
+             for argv, _ in runs]
+    assert [len(s) for s in salts] == [1, 1] and salts[0] != salts[1]  # each run its own cold prefix cache
+
+
+def test_client_vllm_bench_sends_each_run_its_own_cache_salt(tmp_path):
+    # A stand-in for the vLLM venv's Python: it records `vllm bench serve`'s arguments and writes a
+    # result file where that command would.
+    seen = tmp_path / "seen.jsonl"
+    stand_in = tmp_path / "python"
+    result = {"output_throughput": 400.0, "request_throughput": 3.1, "total_input_tokens": 8192, "duration": 20.0}
+    stand_in.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"open({str(seen)!r}, 'a').write(json.dumps(sys.argv) + '\\n')\n"
+        "out = sys.argv[sys.argv.index('--result-dir') + 1]\n"
+        f"open(os.path.join(out, 'result.json'), 'w').write({json.dumps(result)!r})\n")
+    stand_in.chmod(0o755)
+    args = bench_args("--client", "vllm-bench", "--vllm-python", str(stand_in), "--model", str(tmp_path))
+    args.concurrency = [8, 64]
+    results = bench.run_server_mode("openai", {"openai": "http://127.0.0.1:9", "model": "llm"}, args, None)
+    assert [(r["concurrency"], r["output_tokens_per_s"]) for r in results] == [(8, 400.0), (64, 400.0)]
+    bodies = [json.loads(argv[argv.index("--extra-body") + 1]) for argv in map(json.loads, seen.read_text().splitlines())]
+    assert [set(body) for body in bodies] == [{"cache_salt"}] * 2 and bodies[0] != bodies[1]
 
 
 def test_client_aiperf_needs_its_executable():

@@ -4,6 +4,7 @@ Texts are checked against the offline engine's greedy output on the same weights
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -359,6 +361,23 @@ def test_metrics_carry_vllm_names(server):
         assert after[f'{histogram}_bucket{{le="+Inf"}}'] == count > 0
         assert after[f"{histogram}_sum"] > 0
     assert after["vllm:e2e_request_latency_seconds_count"] == after["vllm:request_success_total"]
+
+
+def test_bench_runs_on_one_server_start_with_a_cold_prefix_cache(server, tokenizer, monkeypatch):
+    # `tritonllm bench` sends the same prompts in every served run on one server (each mode and
+    # concurrency): each run's own cache_salt keeps the next from finding them cached.
+    from tools import bench
+    from tools.bench_workloads import make_workload
+
+    workload = make_workload("fixed", tokenizer, 4, 0, 48, 2)
+    urls = {"grpc": server.grpc_url, "metrics": server.metrics_url}
+    args = argparse.Namespace(concurrency=[4, 4], client="builtin", request_rate=float("inf"), seed=0)
+    results = bench.run_server_mode("triton", urls, args, workload)
+    assert [(r["requests"], r["failed"], r["prefix_cache_hit_rate"]) for r in results] == [(4, 0, 0.0), (4, 0, 0.0)]
+    # The same salt twice: the second run finds the first's full blocks, and the bench reports it.
+    monkeypatch.setattr(bench.uuid, "uuid4", lambda: uuid.UUID(int=0))
+    first, second = bench.run_server_mode("triton", urls, args, workload)
+    assert first["prefix_cache_hit_rate"] == 0.0 and second["prefix_cache_hit_rate"] > 0.5
 
 
 def test_engine_failure_fails_requests_and_unloads_the_model(server):

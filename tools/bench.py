@@ -20,8 +20,12 @@ NVIDIA's aiperf (the executable given with --aiperf; tools/setup_aiperf.sh insta
 .venv-aiperf and prints it), a second opinion on the same workload.
 
 Reports request and token throughput, TTFT / TPOT / inter-token / end-to-end latency p50-p90-p99,
-peak KV usage and preemptions, prints ratios against tritonllm's offline figure, and writes JSON
-(--json) and a PNG (--plot) of throughput and latency against concurrency.
+peak KV usage, preemptions and the prefix-cache hit rate, prints ratios against tritonllm's offline
+figure, and writes JSON (--json) and a PNG (--plot) of throughput and latency against concurrency.
+
+Every run starts with nothing of its prompts in the prefix cache, as on a fresh server: warm-ups use
+prompts that share no prefix with the workload, and each served run (mode x concurrency, which share
+one server) sends its own `cache_salt`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,8 +111,8 @@ def run_offline(args, workload: Workload) -> dict:
     llm = LLM(args.model, dtype=args.dtype, **json.loads(args.engine_args))
     startup = time.perf_counter() - start
     engine = llm.llm_engine
-    llm.generate(workload.prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    preemptions_before = {m.name: m.value for m in llm.get_metrics()}["vllm:num_preemptions"]
+    llm.generate(warm_up_prompts(workload), SamplingParams(temperature=0, max_tokens=4))
+    before = {m.name: m.value for m in llm.get_metrics()}
     records = {}
     start = time.perf_counter()
     for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
@@ -125,10 +130,19 @@ def run_offline(args, workload: Workload) -> dict:
         peak_kv = max(peak_kv, engine.kv_cache.usage)
     elapsed = time.perf_counter() - start
     bar.close()
-    preemptions = {m.name: m.value for m in llm.get_metrics()}["vllm:num_preemptions"] - preemptions_before
+    after = {m.name: m.value for m in llm.get_metrics()}
+    queries = after["vllm:prefix_cache_queries"] - before["vllm:prefix_cache_queries"]
     return {**summarize(list(records.values()), elapsed), "startup_s": startup,
             "dtype": str(engine.runner.dtype).removeprefix("torch."), "peak_kv_usage": peak_kv,
-            "preemptions": preemptions}
+            "preemptions": after["vllm:num_preemptions"] - before["vllm:num_preemptions"],
+            "prefix_cache_hit_rate": (after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"]) / queries
+            if queries else None}
+
+
+def warm_up_prompts(workload: Workload) -> list[list[int]]:
+    """Two prompts of the workload's lengths that share no prefix with its prompts (reversed), so that
+    warming up leaves nothing in the prefix cache for the measured run to find."""
+    return [prompt[::-1] for prompt in workload.prompts[:2]]
 
 
 # -- Hugging Face baselines ----------------------------------------------------------------------
@@ -183,7 +197,7 @@ if __name__ == "__main__":
     startup = time.perf_counter() - start
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in spec["output_lens"]]
-    llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2)
+    llm.generate([{"prompt_token_ids": p} for p in spec["warm_up"]], [SamplingParams(max_tokens=4)] * 2)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -205,7 +219,8 @@ def run_vllm_offline(args, workload: Workload) -> dict:
         script = Path(tmp) / "vllm_offline.py"
         script.write_text(VLLM_OFFLINE_SCRIPT)
         spec.write_text(json.dumps({"model": resolved_model(args), "dtype": args.dtype,
-                                    "prompts": workload.prompts, "output_lens": workload.output_lens}))
+                                    "prompts": workload.prompts, "output_lens": workload.output_lens,
+                                    "warm_up": warm_up_prompts(workload)}))
         subprocess.run([args.vllm_python, str(script), str(spec), str(result)], check=True, env=vllm_environment(args))
         figures = json.loads(result.read_text())
     return {"seconds": figures["seconds"], "startup_s": figures["startup_s"],
@@ -254,7 +269,8 @@ def _mark_token(record: RequestRecord, began: float, last: list[float], count: i
     record.output_tokens += count
 
 
-async def triton_requests(grpc_url: str, workload: Workload, concurrency: int, rate: float, seed: int):
+async def triton_requests(grpc_url: str, workload: Workload, concurrency: int, rate: float, seed: int,
+                          cache_salt: str):
     import numpy as np
     import tritonclient.grpc.aio as grpcclient
 
@@ -267,7 +283,7 @@ async def triton_requests(grpc_url: str, workload: Workload, concurrency: int, r
                   grpcclient.InferInput("return_num_output_tokens", [1], "BOOL")]
         inputs[0].set_data_from_numpy(np.array(prompt, dtype=np.int32))
         inputs[1].set_data_from_numpy(np.array([True]))
-        params = {"temperature": 0, "max_tokens": out_len, "ignore_eos": True}
+        params = {"temperature": 0, "max_tokens": out_len, "ignore_eos": True, "cache_salt": cache_salt}
         inputs[2].set_data_from_numpy(np.array([json.dumps(params).encode()], dtype=object))
         inputs[3].set_data_from_numpy(np.array([True]))
 
@@ -291,14 +307,17 @@ async def triton_requests(grpc_url: str, workload: Workload, concurrency: int, r
 
 
 async def openai_requests(base_url: str, model: str, workload: Workload, concurrency: int, rate: float,
-                          seed: int):
+                          seed: int, cache_salt: str):
     import httpx
 
+    api_key = os.environ.get("OPENAI_API_KEY")  # as `vllm bench serve` and the openai SDK take it
     async with httpx.AsyncClient(base_url=base_url, timeout=None,
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
                                  limits=httpx.Limits(max_connections=concurrency + 4)) as client:
         async def one_request(prompt, out_len, record, began):
             body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                    "cache_salt": cache_salt}
             last = [began]
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 response.raise_for_status()
@@ -342,14 +361,39 @@ class MetricsWatcher:
                 pass
             await asyncio.sleep(0.25)
 
-    def preemptions(self) -> float | None:
+    def counters(self) -> dict[str, float] | None:
+        """Preemptions and prefix-cache lookups so far, once they stop moving (the llm model copies
+        the engine's metrics to Triton's port every 0.5 s); None without a metrics endpoint."""
+        previous = self._counters()
+        for _ in range(10):
+            if previous is None:
+                return None
+            time.sleep(0.6)
+            current = self._counters()
+            if current == previous:
+                break
+            previous = current
+        return previous
+
+    def _counters(self) -> dict[str, float] | None:
         if not self.url:
             return None
         try:
             values = self.read()
         except OSError:
             return None
-        return values.get("vllm:num_preemptions_total", values.get("vllm:num_preemptions"))
+        return {"preemptions": values.get("vllm:num_preemptions_total", values.get("vllm:num_preemptions", 0.0)),
+                "prefix_hits": values.get("vllm:prefix_cache_hits_total", 0.0),
+                "prefix_queries": values.get("vllm:prefix_cache_queries_total", 0.0)}
+
+    @staticmethod
+    def difference(before: dict | None, after: dict | None) -> dict:
+        """A run's preemptions and prefix-cache hit rate, from the counters around it."""
+        if before is None or after is None:
+            return {"preemptions": None, "prefix_cache_hit_rate": None}
+        queries = after["prefix_queries"] - before["prefix_queries"]
+        return {"preemptions": after["preemptions"] - before["preemptions"],
+                "prefix_cache_hit_rate": (after["prefix_hits"] - before["prefix_hits"]) / queries if queries else None}
 
 
 # `vllm bench serve` from the vLLM venv. Its CLI looks up the version of a package named `vllm`,
@@ -359,7 +403,7 @@ VLLM_CLI = ("import importlib.metadata as m, sys; version = m.version; "
             "from vllm.entrypoints.cli.main import main; sys.argv = ['vllm', *sys.argv[1:]]; sys.exit(main())")
 
 
-def run_vllm_bench_client(urls: dict, args, concurrency: int) -> dict:
+def run_vllm_bench_client(urls: dict, args, concurrency: int, cache_salt: str) -> dict:
     """One `vllm bench serve` run against an OpenAI-compatible server; its figures in our names."""
     with tempfile.TemporaryDirectory() as tmp:
         command = [args.vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
@@ -369,6 +413,7 @@ def run_vllm_bench_client(urls: dict, args, concurrency: int) -> dict:
                    "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate),
                    "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(args.seed),
                    "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+                   "--extra-body", json.dumps({"cache_salt": cache_salt}),
                    "--save-result", "--result-dir", tmp, "--result-filename", "result.json"]
         subprocess.run(command, check=True, env=vllm_environment(args), stdout=sys.stderr)
         figures = json.loads((Path(tmp) / "result.json").read_text())
@@ -386,32 +431,35 @@ def run_vllm_bench_client(urls: dict, args, concurrency: int) -> dict:
 def run_server_mode(mode: str, urls: dict, args, workload: Workload) -> list[dict]:
     results = []
     for concurrency in args.concurrency:
-        if args.client != "builtin" and mode == "openai":
-            figures = (run_vllm_bench_client(urls, args, concurrency) if args.client == "vllm-bench"
-                       else run_aiperf_client(urls, args, concurrency, resolved_model(args)))
-            results.append({**figures, "concurrency": concurrency, "request_rate": args.request_rate})
-            continue
+        # One server answers every mode and concurrency of a dtype in turn, and the prompts repeat: a
+        # salt of its own keeps each run from finding the previous run's prompts in the prefix cache.
+        cache_salt = f"tritonllm-bench-{uuid.uuid4().hex}"
         watcher = MetricsWatcher(urls.get("metrics"))
-        before = watcher.preemptions()
-
-        async def main():
-            task = asyncio.create_task(watcher.watch())
-            if mode == "triton":
-                out = await triton_requests(urls["grpc"], workload, concurrency, args.request_rate, args.seed)
-            else:
-                out = await openai_requests(urls["openai"], urls["model"], workload, concurrency,
-                                            args.request_rate, args.seed)
-            watcher._stop = True
-            await task
-            return out
-
-        records, elapsed = asyncio.run(main())
-        after = watcher.preemptions()
-        summary = summarize(records, elapsed)
-        summary.update(concurrency=concurrency, request_rate=args.request_rate, peak_kv_usage=watcher.peak_kv or None,
-                       preemptions=None if before is None or after is None else after - before)
+        before = watcher.counters()
+        if args.client != "builtin" and mode == "openai":
+            summary = (run_vllm_bench_client(urls, args, concurrency, cache_salt) if args.client == "vllm-bench"
+                       else run_aiperf_client(urls, args, concurrency, resolved_model(args), cache_salt))
+        else:
+            summary = asyncio.run(run_builtin_client(mode, urls, args, workload, concurrency, cache_salt, watcher))
+        summary.update(concurrency=concurrency, request_rate=args.request_rate,
+                       **MetricsWatcher.difference(before, watcher.counters()))
         results.append(summary)
     return results
+
+
+async def run_builtin_client(mode: str, urls: dict, args, workload: Workload, concurrency: int, cache_salt: str,
+                             watcher: MetricsWatcher) -> dict:
+    """This tool's own client (Triton gRPC or OpenAI SSE), with the server's KV usage polled alongside."""
+    task = asyncio.create_task(watcher.watch())
+    if mode == "triton":
+        records, elapsed = await triton_requests(urls["grpc"], workload, concurrency, args.request_rate, args.seed,
+                                                 cache_salt)
+    else:
+        records, elapsed = await openai_requests(urls["openai"], urls["model"], workload, concurrency,
+                                                 args.request_rate, args.seed, cache_salt)
+    watcher._stop = True
+    await task
+    return {**summarize(records, elapsed), "peak_kv_usage": watcher.peak_kv or None}
 
 
 # -- servers -------------------------------------------------------------------------------------
@@ -496,7 +544,7 @@ def labelled(mode: str, figures: dict | list[dict]) -> list[tuple[str, dict]]:
 def print_report(results: dict, references: dict[str, str | None]) -> None:
     """One line per figure; `references` names each label's offline run at the same dtype."""
     print(f"{'mode':<40}{'out tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}"
-          f"{'E2E p99':>10}{'peak KV':>9}{'preempt':>8}{'vs offline':>11}")
+          f"{'E2E p99':>10}{'peak KV':>9}{'preempt':>8}{'prefix hit':>11}{'vs offline':>11}")
     for mode, figures in results.items():
         reference = results.get(references.get(mode) or "", {}).get("output_tokens_per_s")
         for label, entry in labelled(mode, figures):
@@ -505,6 +553,7 @@ def print_report(results: dict, references: dict[str, str | None]) -> None:
                   f"{fmt(entry.get('ttft_p50_ms'), 0):>10}{fmt(entry.get('tpot_p50_ms'), 0):>10}"
                   f"{fmt(entry.get('itl_p50_ms'), 0):>9}{fmt(entry.get('e2e_p99_ms'), 0):>10}"
                   f"{fmt(entry.get('peak_kv_usage'), 2):>9}{fmt(entry.get('preemptions'), 0):>8}"
+                  f"{fmt(entry.get('prefix_cache_hit_rate'), 2):>11}"
                   f"{fmt(ratio, 2) + 'x' if ratio else '-':>11}")
 
 

@@ -26,7 +26,7 @@ METRICS = {"ttft": "time_to_first_token", "tpot": "inter_token_latency", "itl": 
 
 def aiperf_command(aiperf: str, url: str, model: str, tokenizer: str, *, input_len: int, output_len: int,
                    num_prompts: int, concurrency: int, request_rate: float, seed: int,
-                   artifact_dir: str) -> list[str]:
+                   artifact_dir: str, cache_salt: str | None = None) -> list[str]:
     """`aiperf profile` with vllm-bench's workload: random-token prompts of exactly `input_len`,
     `output_len` tokens out (ignore_eos; the server's default temperature, as `vllm bench serve`
     leaves it), streamed from /v1/completions."""
@@ -42,6 +42,8 @@ def aiperf_command(aiperf: str, url: str, model: str, tokenizer: str, *, input_l
                "--request-count", str(num_prompts), "--concurrency", str(concurrency),
                "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry", "--no-auto-plot",
                "--export-level", "summary", "--artifact-dir", artifact_dir]
+    if cache_salt is not None:
+        command += ["--extra-inputs", f"cache_salt:{cache_salt}"]
     if not math.isinf(request_rate):  # Poisson arrivals (aiperf's default pattern) under the concurrency cap
         command += ["--request-rate", str(request_rate)]
     return command
@@ -65,7 +67,7 @@ def figures_from_export(export: dict) -> dict:
     return summary
 
 
-def run_aiperf_client(urls: dict, args, concurrency: int, tokenizer: str) -> dict:
+def run_aiperf_client(urls: dict, args, concurrency: int, tokenizer: str, cache_salt: str | None = None) -> dict:
     """One `aiperf profile` run against an OpenAI-compatible server; its figures in our names."""
     # aiperf 0.13 in HF offline mode looks every tokenizer up in the hub cache, so a local folder
     # fails ("Repo id must be in the form ..."); without it a local folder is read from disk.
@@ -74,6 +76,7 @@ def run_aiperf_client(urls: dict, args, concurrency: int, tokenizer: str) -> dic
         command = aiperf_command(args.aiperf, urls["openai"], urls["model"], tokenizer,
                                  input_len=args.input_len, output_len=args.output_len,
                                  num_prompts=args.num_prompts, concurrency=concurrency,
-                                 request_rate=args.request_rate, seed=args.seed, artifact_dir=tmp)
+                                 request_rate=args.request_rate, seed=args.seed, artifact_dir=tmp,
+                                 cache_salt=cache_salt)
         subprocess.run(command, check=True, env=env, stdout=sys.stderr)
         return figures_from_export(json.loads((Path(tmp) / EXPORT).read_text()))
