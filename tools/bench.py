@@ -112,7 +112,7 @@ def run_offline(args, workload: Workload) -> dict:
     startup = time.perf_counter() - start
     engine = llm.llm_engine
     llm.generate(warm_up_prompts(workload), SamplingParams(temperature=0, max_tokens=4))
-    before = {m.name: m.value for m in llm.get_metrics()}
+    before = run_counters({m.name: m.value for m in llm.get_metrics()})
     records = {}
     start = time.perf_counter()
     for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
@@ -130,13 +130,10 @@ def run_offline(args, workload: Workload) -> dict:
         peak_kv = max(peak_kv, engine.kv_cache.usage)
     elapsed = time.perf_counter() - start
     bar.close()
-    after = {m.name: m.value for m in llm.get_metrics()}
-    queries = after["vllm:prefix_cache_queries"] - before["vllm:prefix_cache_queries"]
+    after = run_counters({m.name: m.value for m in llm.get_metrics()})
     return {**summarize(list(records.values()), elapsed), "startup_s": startup,
             "dtype": str(engine.runner.dtype).removeprefix("torch."), "peak_kv_usage": peak_kv,
-            "preemptions": after["vllm:num_preemptions"] - before["vllm:num_preemptions"],
-            "prefix_cache_hit_rate": (after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"]) / queries
-            if queries else None}
+            **counters_difference(before, after)}
 
 
 def warm_up_prompts(workload: Workload) -> list[list[int]]:
@@ -379,21 +376,28 @@ class MetricsWatcher:
         if not self.url:
             return None
         try:
-            values = self.read()
+            return run_counters(self.read())
         except OSError:
             return None
-        return {"preemptions": values.get("vllm:num_preemptions_total", values.get("vllm:num_preemptions", 0.0)),
-                "prefix_hits": values.get("vllm:prefix_cache_hits_total", 0.0),
-                "prefix_queries": values.get("vllm:prefix_cache_queries_total", 0.0)}
 
-    @staticmethod
-    def difference(before: dict | None, after: dict | None) -> dict:
-        """A run's preemptions and prefix-cache hit rate, from the counters around it."""
-        if before is None or after is None:
-            return {"preemptions": None, "prefix_cache_hit_rate": None}
-        queries = after["prefix_queries"] - before["prefix_queries"]
-        return {"preemptions": after["preemptions"] - before["preemptions"],
-                "prefix_cache_hit_rate": (after["prefix_hits"] - before["prefix_hits"]) / queries if queries else None}
+
+def run_counters(metrics: dict[str, float]) -> dict[str, float]:
+    """Preemptions and prefix-cache lookups from vLLM-named metrics: the engine's own (offline) or
+    a server's Prometheus page, whose counters carry a `_total` suffix."""
+    def counter(name: str) -> float:
+        return metrics.get(f"{name}_total", metrics.get(name, 0.0))
+
+    return {"preemptions": counter("vllm:num_preemptions"), "prefix_hits": counter("vllm:prefix_cache_hits"),
+            "prefix_queries": counter("vllm:prefix_cache_queries")}
+
+
+def counters_difference(before: dict | None, after: dict | None) -> dict:
+    """A run's preemptions and prefix-cache hit rate, from the counters around it."""
+    if before is None or after is None:
+        return {"preemptions": None, "prefix_cache_hit_rate": None}
+    queries = after["prefix_queries"] - before["prefix_queries"]
+    return {"preemptions": after["preemptions"] - before["preemptions"],
+            "prefix_cache_hit_rate": (after["prefix_hits"] - before["prefix_hits"]) / queries if queries else None}
 
 
 # `vllm bench serve` from the vLLM venv. Its CLI looks up the version of a package named `vllm`,
@@ -442,7 +446,7 @@ def run_server_mode(mode: str, urls: dict, args, workload: Workload) -> list[dic
         else:
             summary = asyncio.run(run_builtin_client(mode, urls, args, workload, concurrency, cache_salt, watcher))
         summary.update(concurrency=concurrency, request_rate=args.request_rate,
-                       **MetricsWatcher.difference(before, watcher.counters()))
+                       **counters_difference(before, watcher.counters()))
         results.append(summary)
     return results
 
