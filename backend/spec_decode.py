@@ -66,7 +66,8 @@ class DraftModelProposer:
     accepted, catches up on the rest in one chunk and decodes k greedy tokens."""
 
     def __init__(self, config: SpeculativeConfig, engine_config, target, max_model_len: int) -> None:
-        from backend.model_runner import ModelRunner, load_hf_config  # the draft model's runner
+        from backend.model_loader import load_hf_config
+        from backend.model_runner import ModelRunner  # the draft model's runner
         from backend.models.llama import LlamaArgs
 
         path = os.path.expanduser(config.model)
