@@ -5,20 +5,23 @@ need on a CPU) and the cache and swap tensors themselves, one per layer, shaped
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from backend import cpu_ops
 from backend.config import EngineConfig, max_step_tokens
 from backend.errors import check
 
-# The CPU default holds max_num_seqs sequences of this many tokens (or of max_model_len, if shorter)...
-CPU_DEFAULT_SEQUENCE_TOKENS = 4096
+# The CPU default holds max_num_seqs sequences of this many tokens (of max_model_len, if shorter;
+# and at least one of max_model_len)...
+CPU_DEFAULT_SEQUENCE_TOKENS = 2048
 # ...and never more than this, nor more than a quarter of the free memory.
 CPU_DEFAULT_LIMIT_BYTES = 4 << 30
+HUGE_PAGE = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,10 @@ def available_memory_bytes() -> int:
 
 def cpu_kv_cache_budget(layout: KVCacheLayout, max_num_seqs: int, max_model_len: int,
                         available: int) -> int:
-    """The CPU default: room for max_num_seqs sequences of min(max_model_len, 4096) tokens, capped at
-    min(4 GiB, a quarter of the free memory). A 135M model with 256 sequences needs far less than
-    the cap, and the cache is resident memory (its pages are touched when allocated)."""
+    """The CPU default: room for max_num_seqs sequences of min(max_model_len, 2048) tokens (and for
+    one of max_model_len), capped at min(4 GiB, a quarter of the free memory)."""
     blocks_per_seq = -(-min(max_model_len, CPU_DEFAULT_SEQUENCE_TOKENS) // layout.block_size)
-    needed = max_num_seqs * blocks_per_seq * layout.block_bytes
+    needed = max(max_num_seqs * blocks_per_seq, -(-max_model_len // layout.block_size)) * layout.block_bytes
     return min(needed, CPU_DEFAULT_LIMIT_BYTES, available // 4)
 
 
@@ -104,9 +106,29 @@ def num_kv_blocks(config: EngineConfig, layout: KVCacheLayout, budget: int, devi
     return int(num_blocks)
 
 
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in an anonymous mapping, which the kernel fills with zeros page by page on first touch:
+    the CPU cache takes resident memory only as blocks are used (torch.zeros writes every page at
+    once). The mapping asks for 2 MiB pages (transparent huge pages in "madvise" mode need the ask
+    before the first touch): attention reads small blocks scattered over hundreds of MB, and with
+    4 KiB pages nearly each one misses the TLB."""
+    num_bytes = math.prod(shape) * (torch.finfo(dtype).bits // 8)
+    mapping = mmap.mmap(-1, max(num_bytes, 1))
+    start = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+    first = -(-start // HUGE_PAGE) * HUGE_PAGE - start  # offsets of the aligned huge pages inside
+    last = (start + num_bytes) // HUGE_PAGE * HUGE_PAGE - start
+    if last > first and hasattr(mapping, "madvise"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE, first, last - first)
+        except (OSError, AttributeError):  # a hint: kernels without THP refuse it
+            pass
+    # frombuffer keeps the mapping alive as long as the tensor.
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes).view(dtype).view(shape)
+
+
 def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
     if device.type == "cpu":
-        return [cpu_ops.huge_page_zeros(layout.shape(num_blocks), layout.dtype) for _ in range(layout.num_layers)]
+        return [untouched_zeros(layout.shape(num_blocks), layout.dtype) for _ in range(layout.num_layers)]
     return [torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, device=device)
             for _ in range(layout.num_layers)]
 
