@@ -48,7 +48,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from backend.config import EngineConfig
-    from tools.bench_workloads import make_workload
+    from tools.bench.workloads import make_workload
 
     model = EngineConfig(model=args.model).resolved_model()
     workload = make_workload("fixed", AutoTokenizer.from_pretrained(model), args.num_prompts,
