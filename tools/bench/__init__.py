@@ -26,9 +26,9 @@ figure, and writes JSON (--json) and a PNG (--plot) of throughput and latency ag
 Every run starts with nothing of its prompts in the prefix cache, as on a fresh server: warm-ups use
 prompts that share no prefix with the workload, and each served run (mode x concurrency, which share
 one server) sends its own `cache_salt`.
-
-The package: workloads (the prompts), runners (one function per mode), clients (this tool's
-streaming clients and the metrics reader), external_clients (`vllm bench serve`, aiperf), servers
-(starting and stopping them), report (figures, table, PNG), cli (flags and the run plan);
-vllm_scripts/ holds the files the vLLM venv's Python runs.
 """
+
+# The docstring above is `tritonllm bench --help`. The package: workloads (the prompts), runners (one
+# function per mode), clients (this tool's streaming clients and the metrics reader), external_clients
+# (`vllm bench serve`, aiperf), servers (starting and stopping them), report (figures, table, PNG),
+# cli (flags and the run plan); vllm_scripts/ holds the files the vLLM venv's Python runs by path.
