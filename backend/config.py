@@ -110,7 +110,7 @@ class EngineConfig:
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
-        return cls(**{name: cast_value(name, known[name].type, value) for name, value in values.items()})
+        return cls(**{name: cast_value(name, str(known[name].type), value) for name, value in values.items()})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
