@@ -20,7 +20,7 @@ import hashlib
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +107,7 @@ async def resolve(entry: str) -> list[str]:
         return [entry]
     host, _, port = entry[len(DNS_PREFIX):].rpartition(":")
     infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    return sorted({address(info[4][0], int(port)) for info in infos})
+    return sorted({address(str(info[4][0]), int(port)) for info in infos})
 
 
 class Replicas:
@@ -220,7 +220,7 @@ class Replicas:
 
     # -- TritonClient's calls ------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], sampling_parameters: dict, *, stream: bool,
-                       prompt_param: str = "prompt") -> AsyncIterator[Chunk]:
+                       prompt_param: str = "prompt") -> AsyncGenerator[Chunk, None]:
         tried: list[Replica] = []
         while True:
             replica = self.pick(prompt_token_ids, tried)

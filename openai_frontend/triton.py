@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
@@ -134,7 +134,7 @@ class TritonClient:
             return False
 
     async def generate(self, prompt_token_ids: list[int], sampling_parameters: dict, *, stream: bool,
-                       prompt_param: str = "prompt") -> AsyncIterator[Chunk]:
+                       prompt_param: str = "prompt") -> AsyncGenerator[Chunk, None]:
         """Run one request on the llm model; yield a Chunk per response (one when not streaming).
 
         Raises OpenAIError for a failed request. Leaving the iteration early cancels the request.
