@@ -34,7 +34,7 @@ HELP = {
                "a replica, so shared system prompts hit its prefix cache) or round-robin",
     "host": "address to listen on",
     "port": "port to listen on",
-    "api_key": "require `Authorization: Bearer <key>` on every endpoint but /health, /version, /metrics "
+    "api_key": "require `Authorization: Bearer <key>` on every endpoint but /health (/ready, /live), /version, /metrics "
                f"and the API docs (default: ${API_KEY_ENV}, which `ps` does not show)",
     "model": "HF model folder: tokenizer, chat template, context length (default: the prepared SmolLM2)",
     "tokenizer": "tokenizer folder, if not the model's",
