@@ -52,7 +52,7 @@ HELP = {
     "body_timeout": "seconds a client has to send a request's body once its headers are in, else 408 and the "
                     "connection closed",
 }
-READ_TIMEOUT_HEADERS = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+READ_TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
 class TimedH11Protocol(H11Protocol):
@@ -107,10 +107,10 @@ class TimedH11Protocol(H11Protocol):
         what, self.reading, self.read_timer = self.reading, None, None
         if self.transport.is_closing():
             return
-        self.logger.info("%s:%d - closed: request %s not received in time", *(self.client or ("?", 0)), what)
-        if self.cycle is None or not self.cycle.response_started:
-            self.transport.write(READ_TIMEOUT_HEADERS)
-        if self.cycle is not None:  # the app waiting for the body sees a disconnect
+        self.logger.debug("%s:%d - closed: request %s not received in time", *(self.client or ("?", 0)), what)
+        if what == "headers" or not self.cycle.response_started:
+            self.transport.write(READ_TIMEOUT_RESPONSE)
+        if what == "body":  # the app waiting for the rest of the body sees a disconnect
             self.cycle.disconnected = True
             self.cycle.message_event.set()
         self.transport.close()
