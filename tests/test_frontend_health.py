@@ -23,7 +23,7 @@ from openai_frontend.main import server_config
 from test_reliability import shm_regions, start_triton
 from test_router import frontend_metrics
 from test_triton_model import stub_processes
-from tools.triton_server import TritonServer, free_port, write_model_repository
+from tools.triton_server import free_port, write_model_repository
 
 MAX_MODEL_LEN = 256
 ENGINE = {"dtype": "float32", "kv_cache_memory_bytes": 16 << 20, "max_model_len": MAX_MODEL_LEN,
@@ -114,7 +114,7 @@ def test_dead_stub_fails_every_stream_and_turns_health_503(triton, model_path):
                 [stub] = stub_processes(triton)
                 os.kill(stub, signal.SIGKILL)
                 killed = time.monotonic()
-                done, pending = await asyncio.wait(streams, timeout=FAILS_WITHIN_S)
+                _, pending = await asyncio.wait(streams, timeout=FAILS_WITHIN_S)
                 for task in pending:
                     task.cancel()
                 assert not pending, f"{len(pending)} of {STREAMS} streams still open {FAILS_WITHIN_S} s after the stub died"
@@ -186,7 +186,7 @@ def closed_within(sock: socket.socket, timeout: float) -> bytes | None:
     try:
         while chunk := sock.recv(4096):
             received += chunk
-    except socket.timeout:
+    except TimeoutError:
         return None
     except ConnectionResetError:
         pass
