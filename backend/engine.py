@@ -161,7 +161,7 @@ class LLMEngine:
         for child in parent.children:
             self.scheduler.stamp_arrival(child.request)
         first = parent.children[0].request
-        if first.grammar is not None and not first.grammar.compiled.done():
+        if first.grammar is not None and not first.grammar.is_ready():
             self.compiling[parent.request_id] = first.grammar.compiled
         self.scheduler.add_samples([child.request for child in parent.children])
         self._update_gauges()

@@ -1,6 +1,6 @@
 """Structured outputs on the real model: JSON schemas, regex, choice, EBNF grammars and json_object
 hold greedy and seeded sampling alike, with n > 1, batch mates and preemption; bad specs are refused
-when the request is added. The OpenAI side (response_format, structured_outputs, the 400s) runs
+when the request is added, and a huge one compiles without holding up other requests. The OpenAI side (response_format, structured_outputs, the 400s) runs
 against a real `tritonllm serve` through the official SDK."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import httpx
 import jsonschema
@@ -16,6 +17,7 @@ import openai
 import pytest
 
 from backend import LLM, SamplingParams
+from backend.errors import EngineError, parse_wire
 from backend.sampling_params import StructuredOutputsParams
 from test_openai_frontend import API_KEY, _no_request_left_running, client, model_name, serve  # noqa: F401
 from test_scheduling import BLOCK_BYTES_FP32
@@ -263,3 +265,52 @@ def test_sdk_raises_bad_request_for_a_bad_schema(client, model_name):
         client.chat.completions.create(
             model=model_name, max_tokens=5, messages=[{"role": "user", "content": "Hi"}],
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/gone"}}})
+
+
+# -- a grammar's cost falls on its own request -----------------------------------------------------
+def test_a_huge_choice_list_compiles_off_the_step_path(llm):
+    """8,000 choices (about 180 KB) take seconds to compile: the engine keeps stepping a concurrent
+    greedy request meanwhile (each step, the add included, well under a second), and the huge
+    request waits in the queue, then answers with one of its choices."""
+    engine = llm.llm_engine
+    choices = [f"option number {i}" for i in range(8000)]
+    engine.add_request("greedy", "The capital of France is",
+                       SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
+    engine.step()  # its prompt
+    started = time.monotonic()
+    engine.add_request("huge", "Pick one option:",
+                       SamplingParams(temperature=0, max_tokens=20, structured_outputs={"choice": choices}))
+    step_seconds = [time.monotonic() - started]
+    compiled = engine.grammars.submit(StructuredOutputsParams(choice=choices))
+    steps_while_compiling, final = 0, None
+    while final is None:
+        compiling = not compiled.done()
+        started = time.monotonic()
+        outputs = engine.step()
+        step_seconds.append(time.monotonic() - started)
+        steps_while_compiling += compiling and any(o.request_id == "greedy" for o in outputs)
+        final = next((o for o in outputs if o.request_id == "huge" and o.finished), None)
+    engine.abort_request("greedy")
+    print(f"\n{steps_while_compiling} greedy steps while the grammar compiled; slowest step "
+          f"{max(step_seconds):.3f} s of {len(step_seconds)}")
+    assert steps_while_compiling > 0, "the grammar compiled before the engine stepped again"
+    assert max(step_seconds) < 1.0
+    assert final.error is None and final.outputs[0].text in choices
+
+
+def test_oversized_and_slow_grammars_are_refused_with_a_clear_error(llm):
+    engine = llm.llm_engine
+    too_many = [f"a rather long option, number {i}" for i in range(10000)]  # about 370 KB
+    with pytest.raises(EngineError, match="structured_outputs: the spec is .* bytes; at most") as error:
+        engine.add_request("oversized", "Hi", SamplingParams(structured_outputs={"choice": too_many}))
+    assert error.value.param == "structured_outputs" and not engine.has_unfinished_requests()
+    timeout, engine.grammars.compile_timeout_s = engine.grammars.compile_timeout_s, 0.0
+    try:
+        engine.add_request("slow", "Hi", SamplingParams(structured_outputs={"choice": too_many[:3000]}))
+        outputs = engine.step()
+    finally:
+        engine.grammars.compile_timeout_s = timeout
+    assert [o.request_id for o in outputs] == ["slow"] and outputs[0].finished
+    code, param, message = parse_wire(outputs[0].error)
+    assert (code, param) == ("invalid_parameter", "structured_outputs")
+    assert "did not compile within 0 s" in message and not engine.has_unfinished_requests()
