@@ -37,7 +37,7 @@ MAX_WHITESPACE_RUN = 16
 # Bounds on what one request may ask for: the spec's size (its JSON text: choices, schema, regex or
 # grammar), the time its compilation may take, and the bytes the cache of compiled grammars holds.
 MAX_SPEC_BYTES = 256 << 10
-COMPILE_TIMEOUT_S = 30.0
+COMPILE_TIMEOUT_S = 60.0  # generous: compiles run at the lowest CPU priority
 MAX_CACHE_BYTES = 512 << 20
 NUM_COMPILE_WORKERS = 2
 # xgrammar prefixes its errors with a time stamp and a C++ source location.

@@ -270,8 +270,9 @@ def test_sdk_raises_bad_request_for_a_bad_schema(client, model_name):
 # -- a grammar's cost falls on its own request -----------------------------------------------------
 def test_a_huge_choice_list_compiles_off_the_step_path(llm):
     """8,000 choices (about 180 KB) take seconds to compile: the engine keeps stepping a concurrent
-    greedy request meanwhile, each step (the add included) within a second of its usual slowest, and
-    the huge request waits in the queue, then answers with one of its choices."""
+    greedy request meanwhile, each step (the add included) within a second of the slowest decode
+    step without a compilation (before it and after), and the huge request waits in the queue, then
+    answers with one of its choices (or, on a machine too busy to compile it in time, a clear error)."""
     engine = llm.llm_engine
     choices = [f"option number {i}" for i in range(8000)]
     engine.add_request("greedy", "The capital of France is",
@@ -283,7 +284,7 @@ def test_a_huge_choice_list_compiles_off_the_step_path(llm):
         return time.monotonic() - started, result
 
     engine.step()  # the prompt
-    usual = max(timed(engine.step)[0] for _ in range(12))  # a decode step, at its slowest
+    usual = [timed(engine.step)[0] for _ in range(12)]
     add_seconds, _ = timed(lambda: engine.add_request(
         "huge", "Pick one option:", SamplingParams(temperature=0, max_tokens=20, structured_outputs={"choice": choices})))
     compiled = engine.grammars.submit(StructuredOutputsParams(choice=choices))
@@ -295,12 +296,17 @@ def test_a_huge_choice_list_compiles_off_the_step_path(llm):
             assert any(o.request_id == "greedy" for o in outputs)
             while_compiling.append(seconds)
         final = next((o for o in outputs if o.request_id == "huge" and o.finished), None)
+    usual += [timed(engine.step)[0] for _ in range(12)]
     engine.abort_request("greedy")
-    print(f"\nusual step {usual:.3f} s; {len(while_compiling) - 1} steps while the grammar compiled, "
-          f"slowest {max(while_compiling):.3f} s (the add: {add_seconds:.3f} s)")
+    print(f"\nslowest usual step {max(usual):.3f} s; {len(while_compiling) - 1} steps while the grammar "
+          f"compiled, slowest {max(while_compiling):.3f} s (the add: {add_seconds:.3f} s)")
     assert len(while_compiling) > 1, "the grammar compiled before the engine stepped again"
-    assert max(while_compiling) - usual < 1.0
-    assert final.error is None and final.outputs[0].text in choices
+    assert max(while_compiling) - max(usual) < 1.0
+    if final.error is None:
+        assert final.outputs[0].text in choices
+    else:  # a machine too busy to compile it within the bound (compiles run at the lowest priority)
+        assert parse_wire(final.error)[:2] == ("invalid_parameter", "structured_outputs"), final.error
+        assert "did not compile within" in final.error
 
 
 def test_oversized_and_slow_grammars_are_refused_with_a_clear_error(llm):
