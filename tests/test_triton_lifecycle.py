@@ -103,7 +103,9 @@ def generate(server: TritonServer, max_tokens: int = 4) -> tuple[list, str | Non
                                   enable_empty_final_response=True)
         assert done.wait(TIMEOUT_S), "no final response"
     finally:
-        client.stop_stream(cancel_requests=True)
+        # Not cancel_requests=True after the final response: Triton 2.51 then loses track of the
+        # stream and can never release the model it refers to (docs/triton.md).
+        client.stop_stream(cancel_requests=not done.is_set())
         client.close()
     return responses, (errors[0] if errors else None)
 

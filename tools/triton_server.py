@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import compileall
 import ctypes
-import ctypes.util
 import importlib.util
 import json
 import os
@@ -32,6 +31,8 @@ SOURCE_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
 MODEL_NAME = "llm"
 SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
 PR_SET_PDEATHSIG = 1
+# Loaded here, not between fork and exec, where another thread may hold the loader's lock.
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
 @dataclass
@@ -90,8 +91,7 @@ def die_with_parent() -> None:
     `kill -9` (Linux's parent-death signal; children in sessions of their own outlive their
     parent otherwise). Triton's Python stubs follow a dead tritonserver by themselves."""
     parent = os.getppid()
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if LIBC is None or LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         return  # not Linux: the child may outlive us, as before
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
