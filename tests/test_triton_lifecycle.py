@@ -146,6 +146,13 @@ def answers(server: TritonServer) -> None:
     assert sum(len(r.as_numpy("text_output")) for r in responses if r.as_numpy("text_output") is not None) > 0
 
 
+def wait_for(condition, message: str, timeout: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {message}"
+        time.sleep(0.2)
+
+
 def scrape(server: TritonServer) -> dict[str, float]:
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         lines = response.read().decode().splitlines()
@@ -191,7 +198,8 @@ def test_ten_unloads_and_reloads_idle_and_under_streaming_load(server):
                 time.sleep(1.0)  # streams in flight
             if round_number % 4 in (2, 3):  # a reload: the new instance starts before the old one goes
                 model_config = client.get_model_config("llm", as_json=True)["config"]
-                model_config["max_batch_size"] = 0
+                # A changed config, else Triton keeps the running instance.
+                model_config["parameters"]["lifecycle_round"] = {"string_value": str(round_number)}
                 client.load_model("llm", config=json.dumps(model_config))
             else:
                 client.unload_model("llm")
@@ -200,7 +208,12 @@ def test_ten_unloads_and_reloads_idle_and_under_streaming_load(server):
         finally:
             if load is not None:
                 load.close()
+        # Once the old instance is finalized (its stub gone), the new one's metrics still export:
+        # before the fix the old one's deletion took the series the new one wrote to.
+        wait_for(lambda: len(server.stub_pids()) == 1, "the old instance's stub to exit")
+        before = scrape(server).get("vllm:request_success_total", 0.0)
         answers(server)
-        assert scrape(server)["vllm:request_success_total"] >= 1, "metrics lost after a reload"
+        after = scrape(server).get("vllm:request_success_total")
+        assert after == before + 1, f"round {round_number}: request_success_total {before} -> {after}"
         assert_no_crash(server)
     client.close()

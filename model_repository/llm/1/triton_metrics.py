@@ -9,8 +9,9 @@ storage" fix) counts references to a Prometheus series per MetricFamily object, 
 one name share one Prometheus family, and two metrics with the same labels one series. During a
 reload the new instance of the model starts before the old one is finalized (Triton loads the new
 version first, and an unload waits for in-flight requests), so both hold the same series; deleting
-the old instance's metrics freed the series the new instance still wrote to, which corrupted
-tritonserver's heap (issue 31). Kept alive for the life of the stub process, the series outlives
+the old instance's metrics freed the series the new instance still wrote to: tritonserver died in
+prometheus::Histogram::Observe under the Python backend's Metric::Observe, or its heap was
+corrupted (issue 31). Kept alive for the life of the stub process, the series outlives
 every instance, and the next instance's counters continue where the last one's stopped.
 """
 
