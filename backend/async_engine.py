@@ -30,7 +30,7 @@ from backend.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-OutputCallback = Callable[[RequestOutput], None]
+OutputCallback = Callable[[RequestOutput], object]
 QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)  # no blocks, nothing half-computed
 
 
@@ -149,7 +149,7 @@ class AsyncLLMEngine:
         try:
             self.engine = LLMEngine(config)
             self.engine.runner.on_failure = self._worker_died
-        except BaseException as exc:  # noqa: BLE001 - raised again in the constructor's thread
+        except BaseException as exc:  # raised again in the constructor's thread
             self._build_error = exc
             return
         finally:
@@ -177,12 +177,12 @@ class AsyncLLMEngine:
                     return
                 try:
                     outputs = self.engine.step()
-                except Exception as exc:  # noqa: BLE001 - fail what the step touched, then probe
+                except Exception as exc:  # fail what the step touched, then probe
                     outputs = self._recover(exc)
                 for output in outputs:
                     self._deliver(output)
                 self._count_waiting()
-        except BaseException as exc:  # noqa: BLE001 - the engine cannot go on: fail everyone, loudly
+        except BaseException as exc:  # the engine cannot go on: fail everyone, loudly
             logger.exception("the engine failed")
             self.error, self.errored = exc, True
             with self._wakeup:
@@ -245,5 +245,5 @@ class AsyncLLMEngine:
     def _safe_call(callback: OutputCallback, output: RequestOutput) -> None:
         try:
             callback(output)
-        except Exception:  # noqa: BLE001 - a caller's bug must not stop the engine
+        except Exception:  # a caller's bug must not stop the engine
             logger.exception("output callback failed for request %s", output.request_id)

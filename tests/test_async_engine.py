@@ -71,8 +71,8 @@ def test_abort_mid_stream_frees_blocks_and_sends_final(engine):
 
 def test_leaving_a_generate_loop_aborts(engine):
     async def main():
-        async for output in engine.generate("Count to one hundred:", SamplingParams(max_tokens=300, ignore_eos=True,
-                                            output_kind=RequestOutputKind.DELTA), "early"):
+        async for _ in engine.generate("Count to one hundred:", SamplingParams(max_tokens=300, ignore_eos=True,
+                                       output_kind=RequestOutputKind.DELTA), "early"):
             break
     asyncio.run(main())
     wait_idle(engine)
