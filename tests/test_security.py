@@ -36,6 +36,7 @@ class Serve:
 
     def __init__(self, work: Path, model: str, *flags: str) -> None:
         self.work = work
+        work.mkdir(parents=True)
         self.ports = {name: free_port() for name in ("port", "http-port", "grpc-port", "metrics-port")}
         command = [sys.executable, "-m", "tools.serve", "--model", model, "--dtype", "float32",
                    "--kv-cache-memory-bytes", str(8 << 20), "--max-model-len", "256", "--max-num-seqs", "4",
@@ -88,69 +89,77 @@ def tiny(tmp_path_factory, model_path):
     return tiny_model(tmp_path_factory.mktemp("tiny"), model_path)
 
 
+@pytest.fixture
+def serve(tmp_path, tiny):
+    """Starts `serve` with the given flags (one per test), stopped at the end of the test."""
+    started = []
+
+    def start(*flags: str) -> Serve:
+        started.append(Serve(tmp_path / f"serve{len(started)}", tiny, *flags))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.stop()
+
+
 def listening(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_model_control_is_closed_and_a_dead_stub_stops_serve(tmp_path, tiny):
-    serve = Serve(tmp_path, tiny)
-    try:
-        # Without the admin key: Triton's repository API is refused before it looks at the request.
-        malicious = {"parameters": {"config": json.dumps({"backend": "python"}),
-                                    "file:1/model.py": "aW1wb3J0IG9zOyBvcy5zeXN0ZW0oJ3RvdWNoIC90bXAvcHduZWQnKQ=="}}
-        for path, body in (("/v2/repository/models/llm/unload", None),
-                           ("/v2/repository/models/evil/load", malicious),
-                           ("/v2/repository/index", None)):
-            status, text = serve.triton(path, body)
-            assert status == 403 and ADMIN_KEY_HEADER in text, (path, status, text)
-        # With it: model control is off, so no model can be unloaded or loaded all the same.
-        for path, body in (("/v2/repository/models/llm/unload", None),
-                           ("/v2/repository/models/evil/load", malicious)):
-            status, text = serve.triton(path, body, admin=True)
-            assert status >= 400 and "not allowed" in text, (path, status, text)
-        assert serve.triton("/v2/repository/index", admin=True)[0] == 200
-        assert serve.triton("/v2/models/llm/ready")[0] == 200
-        assert not (tmp_path / "model_repository" / "evil").exists()
+def test_model_control_is_closed_and_a_dead_stub_stops_serve(serve):
+    serve = serve()
+    # Without the admin key: Triton's repository API is refused before it looks at the request.
+    malicious = {"parameters": {"config": json.dumps({"backend": "python"}),
+                                "file:1/model.py": "aW1wb3J0IG9zOyBvcy5zeXN0ZW0oJ3RvdWNoIC90bXAvcHduZWQnKQ=="}}
+    for path, body in (("/v2/repository/models/llm/unload", None),
+                       ("/v2/repository/models/evil/load", malicious),
+                       ("/v2/repository/index", None)):
+        status, text = serve.triton(path, body)
+        assert status == 403 and ADMIN_KEY_HEADER in text, (path, status, text)
+    # With it: model control is off, so no model can be unloaded or loaded all the same.
+    for path, body in (("/v2/repository/models/llm/unload", None),
+                       ("/v2/repository/models/evil/load", malicious)):
+        status, text = serve.triton(path, body, admin=True)
+        assert status >= 400 and "not allowed" in text, (path, status, text)
+    assert serve.triton("/v2/repository/index", admin=True)[0] == 200
+    assert serve.triton("/v2/models/llm/ready")[0] == 200
+    assert not (serve.work / "model_repository" / "evil").exists()
 
-        # The key is on no command line (`ps` shows those to every user); Triton listens on loopback.
-        for process in [psutil.Process(serve.process.pid), *serve.descendants()]:
-            assert API_KEY not in " ".join(process.cmdline()), process.cmdline()
-        triton = next(p for p in serve.descendants() if p.name() == "tritonserver")
-        addresses = {ipaddress.ip_address(c.laddr.ip) for c in triton.net_connections("tcp") if c.status == "LISTEN"}
-        assert addresses and all((getattr(a, "ipv4_mapped", None) or a).is_loopback for a in addresses), addresses
+    # The key is on no command line (`ps` shows those to every user); Triton listens on loopback.
+    for process in [psutil.Process(serve.process.pid), *serve.descendants()]:
+        assert API_KEY not in " ".join(process.cmdline()), process.cmdline()
+    triton = next(p for p in serve.descendants() if p.name() == "tritonserver")
+    addresses = {ipaddress.ip_address(c.laddr.ip) for c in triton.net_connections("tcp") if c.status == "LISTEN"}
+    assert addresses and all((getattr(a, "ipv4_mapped", None) or a).is_loopback for a in addresses), addresses
 
-        # The llm stub dies: serve notices, kills the rest and exits non-zero for its supervisor.
-        [stub] = [p for p in serve.descendants() if "triton_python_backend_stub" in " ".join(p.cmdline()[:1])
-                  and "/llm/" in " ".join(p.cmdline())]
-        others = serve.descendants()
-        stub.kill()
-        assert serve.process.wait(60) == 1
-        assert "stub died" in serve.log()
-        gone, alive = psutil.wait_procs(others, timeout=10)
-        assert not alive, alive
-    finally:
-        serve.stop()
+    # The llm stub dies: serve notices, kills the rest and exits non-zero for its supervisor.
+    [stub] = [p for p in serve.descendants() if "triton_python_backend_stub" in " ".join(p.cmdline()[:1])
+              and "/llm/" in " ".join(p.cmdline())]
+    others = serve.descendants()
+    stub.kill()
+    assert serve.process.wait(60) == 1
+    assert "stub died" in serve.log()
+    gone, alive = psutil.wait_procs(others, timeout=10)
+    assert not alive, alive
 
 
-def test_explicit_control_needs_the_admin_key_and_kill_9_of_serve_leaves_nothing(tmp_path, tiny):
-    serve = Serve(tmp_path, tiny, "--model-control", "explicit")
-    try:
-        status, text = serve.triton("/v2/repository/index")
-        assert status == 403, (status, text)
-        assert serve.triton("/v2/repository/index", admin=True)[0] == 200
-        status, text = serve.triton("/v2/logging", {"log_verbose_level": 1})
-        assert status == 403, (status, text)
+def test_explicit_control_needs_the_admin_key_and_kill_9_of_serve_leaves_nothing(serve):
+    serve = serve("--model-control", "explicit")
+    status, text = serve.triton("/v2/repository/index")
+    assert status == 403, (status, text)
+    assert serve.triton("/v2/repository/index", admin=True)[0] == 200
+    status, text = serve.triton("/v2/logging", {"log_verbose_level": 1})
+    assert status == 403, (status, text)
 
-        processes = serve.descendants()
-        assert len(processes) >= 4, processes  # tritonserver, two stubs, the frontend
-        serve.process.kill()
-        serve.process.wait()
-        gone, alive = psutil.wait_procs(processes, timeout=10)
-        assert not alive, [(p.pid, p.name()) for p in alive]
-        assert not [port for port in serve.ports.values() if listening(port)]
-    finally:
-        serve.stop()
+    processes = serve.descendants()
+    assert len(processes) >= 4, processes  # tritonserver, two stubs, the frontend
+    serve.process.kill()
+    serve.process.wait()
+    gone, alive = psutil.wait_procs(processes, timeout=10)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    assert not [port for port in serve.ports.values() if listening(port)]
 
 
 def test_stale_shm_regions_are_removed_but_not_live_ones(tmp_path):

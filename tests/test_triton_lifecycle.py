@@ -124,7 +124,7 @@ class StreamingLoad:
         while not self.stop.is_set():
             try:
                 _, error = generate(self.server, max_tokens=40)
-            except Exception:  # noqa: BLE001 - the server refused the stream while the model was away
+            except Exception:  # the server refused the stream while the model was away
                 error = "refused"
             if error is None:
                 self.completed += 1
