@@ -74,6 +74,7 @@ class AsyncLLMEngine:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.model_name = self.engine.model_name
+        self.generation_defaults = self.engine.generation_defaults
 
     # -- any thread -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from backend.errors import EngineError, check
+from backend.vllm_args import NO_REMOTE_CODE, translate
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -23,7 +28,19 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 @dataclass
 class EngineConfig:
-    model: str | None = field(default=None, metadata={"help": "HF model folder; default: the prepared SmolLM2"})
+    model: str | None = field(default=None, metadata={
+        "help": "HF model folder, or a hub id (org/name) found in the local Hugging Face cache; "
+                "default: the prepared SmolLM2"})
+    revision: str | None = field(default=None, metadata={
+        "help": "for a hub id: the cached snapshot of this branch, tag or commit (default: main)"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "refused when true: no remote code runs here (vLLM's flag, accepted as false)"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "auto: the model's generation_config.json sets the sampling defaults (temperature, "
+                "top_p, top_k, min_p, repetition_penalty, max_tokens) of requests that omit them; "
+                "vllm: vLLM's defaults; or a folder holding a generation_config.json"})
+    override_generation_config: str | dict | None = field(default=None, metadata={
+        "help": "JSON object of sampling defaults laid over generation_config's, e.g. {\"temperature\": 0.5}"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder; default: the model's"})
     served_model_name: str | None = field(default=None, metadata={"help": "name reported to clients"})
     dtype: str = field(default="auto", metadata={"help": "auto = bfloat16 on CUDA and bf16-capable CPUs, else float32"})
@@ -72,6 +89,12 @@ class EngineConfig:
         def check_field(ok: bool, name: str, message: str) -> None:
             check(ok, name, message, value=getattr(self, name))
 
+        check_field(not self.trust_remote_code, "trust_remote_code", NO_REMOTE_CODE)
+        check_field(isinstance(self.generation_config, str) and bool(self.generation_config),
+                    "generation_config", "must be auto, vllm or a folder")
+        if self.override_generation_config is not None:
+            self.override_generation_config = json_object_option(
+                "override_generation_config", self.override_generation_config, list(GENERATION_DEFAULT_KEYS))
         check_field(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
         check_field(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                     "block_size", "must be a positive power of two")
@@ -108,10 +131,13 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
-        """Build from model.json-style keys; strings are cast to the field's type."""
+        """Build from model.json-style keys, ours or vLLM's (backend/vllm_args.py: those with nothing
+        to do here are logged and ignored, those we cannot honour refused); strings are cast to the
+        field's type."""
         known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(values) - set(known))
-        check(not unknown, None, f"unknown engine argument(s): {', '.join(unknown)}")
+        values, notes = translate(values, set(known))
+        for note in notes:
+            logger.warning("engine argument %s", note)
         return cls(**{name: cast_value(name, str(known[name].type), value) for name, value in values.items()})
 
     def to_dict(self) -> dict[str, Any]:
@@ -155,6 +181,32 @@ def json_object_option(name: str, value: Any, known: list[str]) -> dict:
     unknown = sorted(set(value) - set(known))
     check(not unknown, name, f"unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
     return value
+
+
+# generation_config.json keys that become sampling defaults (vLLM's list), and their SamplingParams names.
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+                           "max_tokens": "max_tokens"}
+
+
+def generation_defaults(config: EngineConfig, model_path: str) -> dict[str, Any]:
+    """The sampling defaults for requests that omit them (SamplingParams names): the model's
+    generation_config.json under `generation_config: auto` (or the given folder's), none under
+    `vllm`, then `override_generation_config` on top."""
+    defaults: dict[str, Any] = {}
+    if config.generation_config != "vllm":
+        folder = model_path if config.generation_config == "auto" else os.path.expanduser(config.generation_config)
+        path = os.path.join(folder, "generation_config.json")
+        check(config.generation_config == "auto" or os.path.isfile(path), "generation_config",
+              f"no generation_config.json in {folder}")
+        if os.path.isfile(path):
+            with open(path) as file:
+                values = json.load(file)
+            defaults = {GENERATION_DEFAULT_KEYS[k]: v for k, v in values.items()
+                        if k in GENERATION_DEFAULT_KEYS and v is not None}
+    for key, value in (config.override_generation_config or {}).items():
+        defaults[GENERATION_DEFAULT_KEYS[key]] = value
+    return defaults
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

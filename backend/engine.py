@@ -14,7 +14,7 @@ import time
 from concurrent import futures
 from pathlib import Path
 
-from backend.config import EngineConfig, resolve_limits
+from backend.config import EngineConfig, generation_defaults, resolve_limits
 from backend.kv_cache import KVCacheManager
 from backend.metrics import EngineMetrics
 from backend.model_loader import load_hf_config
@@ -59,7 +59,7 @@ class LLMEngine:
         # Step on the thread that builds the engine: see `_warn_thread`.
         self.built_on = threading.current_thread()
         self._warned_thread = False
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = resolve_model_path(config.model, config.revision)
         hf_config = load_hf_config(self.model_path)
         self.model_name = config.served_model_name or Path(self.model_path).name
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or self.model_path)
@@ -81,6 +81,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.compiling: dict[str, futures.Future] = {}  # requests queued while their grammar compiles
         self.output_processor = OutputProcessor(self.metrics, self.eos_token_ids, self.max_model_len)
+        # Sampling defaults for requests that omit them (generation_config: auto, vLLM's default).
+        self.generation_defaults = generation_defaults(config, self.model_path)
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -22,6 +22,10 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig.from_dict({"model": model, **kwargs}))
         self._request_counter = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config defaults (vLLM's; generation_config=vllm: none)."""
+        return SamplingParams(**self.llm_engine.generation_defaults)
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
@@ -32,7 +36,7 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params: give one, or one per prompt")
         order: dict[str, int] = {}

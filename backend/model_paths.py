@@ -42,12 +42,48 @@ def prepared_default_model() -> Path:
     return folder
 
 
-def resolve_model_path(model: str | None) -> str:
+def resolve_model_path(model: str | None, revision: str | None = None) -> str:
     """The Hugging Face folder to load: the given one (a .gguf file becomes a cached folder with its
-    config and tokenizer), else the prepared default model."""
+    config and tokenizer), a hub id's snapshot in the local Hugging Face cache, else the prepared
+    default model."""
     if not model:
         return str(prepared_default_model())
+    expanded = os.path.expanduser(model)
+    if not os.path.exists(expanded) and looks_like_hub_id(model):
+        return str(hf_cache_snapshot(model, revision))
     from backend.quantization.gguf import gguf_model_folder  # imports torch: only for a given model
 
-    model = os.path.expanduser(model)
-    return str(gguf_model_folder(model) or model)
+    return str(gguf_model_folder(expanded) or expanded)
+
+
+def looks_like_hub_id(model: str) -> bool:
+    """`org/name` or `name`, as vLLM's `model` takes them: no absolute, home or dot path."""
+    parts = model.split("/")
+    return (not model.startswith(("/", "~", ".")) and 1 <= len(parts) <= 2
+            and all(part and part not in (".", "..") for part in parts))
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def hf_cache_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The snapshot folder of `repo_id` at `revision` (a branch or tag through refs/, or a commit
+    hash; default main) in the local Hugging Face cache. Never downloads: a clear error when the
+    model is not cached."""
+    cache = hf_hub_cache()
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    revision = revision or "main"
+    ref = repo / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    snapshot = repo / "snapshots" / commit
+    check(snapshot.is_dir() and (snapshot / "config.json").is_file(), "model",
+          f"{repo_id!r} (revision {revision}) is neither a folder nor in the local Hugging Face cache "
+          f"({cache}); nothing is downloaded here: fetch it first (`huggingface-cli download {repo_id}"
+          f"{'' if revision == 'main' else ' --revision ' + revision}`) or give the model's folder",
+          code=MODEL_UNAVAILABLE)
+    return snapshot

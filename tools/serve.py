@@ -106,8 +106,10 @@ def engine_arguments(args: argparse.Namespace) -> dict:
     if config.model is None:
         from tools.prepare_model import prepare_model
         values["model"] = str(prepare_model())
-    else:
-        values["model"] = str(Path(config.model).expanduser().resolve())
+    else:  # a folder, or a hub id found in the local Hugging Face cache (docs/triton.md)
+        from backend.model_paths import resolve_model_path
+        values["model"] = str(Path(resolve_model_path(config.model, config.revision)).resolve())
+        values.pop("revision", None)  # resolved: the folder is the revision's snapshot
     return values
 
 

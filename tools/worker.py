@@ -27,7 +27,7 @@ def run_worker(config: EngineConfig) -> int:
         return 2
     address, port = distributed.rendezvous(config)
     config = EngineConfig.from_dict({**config.to_dict(), "master_addr": address, "master_port": port})
-    model_path = str(Path(resolve_model_path(config.model)).resolve())
+    model_path = str(Path(resolve_model_path(config.model, config.revision)).resolve())
     max_model_len = resolve_limits(config, load_hf_config(model_path)).max_model_len
     workers = distributed.WorkerProcesses(config, distributed.local_ranks(config), model_path, max_model_len)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
