@@ -29,6 +29,8 @@ from pathlib import Path
 NGC_ROOT = Path("/opt/tritonserver")
 SOURCE_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
 MODEL_NAME = "llm"
+BACKEND_NAME = "tritonllm"  # `backend: "tritonllm"` in a config.pbtxt (docs/triton.md)
+BACKEND_FILES = ("model.py", "auto_complete.py", "request_parsing.py", "triton_metrics.py")
 SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
 PR_SET_PDEATHSIG = 1
 # Loaded here, not between fork and exec, where another thread may hold the loader's lock.
@@ -38,18 +40,39 @@ LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 @dataclass
 class TritonInstall:
     binary: Path
-    backend_directory: Path | None  # None: the binary's own default (the NGC image)
+    backend_directory: Path
     library_path: Path | None       # extra LD_LIBRARY_PATH entry
 
 
+def install_backend(backends: Path, source: Path = SOURCE_REPOSITORY) -> Path:
+    """Lay out the `tritonllm` Python-based backend in a Triton backend directory: a folder
+    `<backends>/tritonllm/` holding the llm model's code, which Triton's Python backend (in
+    `<backends>/python`) loads for every model whose config says `backend: "tritonllm"`."""
+    folder = Path(backends) / BACKEND_NAME
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in BACKEND_FILES:
+        shutil.copy2(source / MODEL_NAME / "1" / name, folder / name)
+    compileall.compile_dir(folder, quiet=1)  # as for the repository: the stub writes nothing there
+    return folder
+
+
 def find_triton(workdir: Path) -> TritonInstall:
-    """The NGC image's tritonserver if present, else the one inside the nvidia-pytriton wheel.
+    """The NGC image's tritonserver if present, else the one inside the nvidia-pytriton wheel;
+    either way with a backend directory in `workdir/backends` that holds the `tritonllm` backend.
 
     For the wheel, the Python backend is copied into `workdir/backends/python` together with the
-    stub built for the running Python (the wheel keeps one per version).
+    stub built for the running Python (the wheel keeps one per version). For the image, its
+    backends are linked there.
     """
+    backends = workdir / "backends"
     if (NGC_ROOT / "bin" / "tritonserver").is_file():
-        return TritonInstall(NGC_ROOT / "bin" / "tritonserver", None, None)
+        backends.mkdir(parents=True, exist_ok=True)
+        for entry in (NGC_ROOT / "backends").iterdir():
+            link = backends / entry.name
+            if entry.name != BACKEND_NAME and not link.exists():
+                link.symlink_to(entry)
+        install_backend(backends)
+        return TritonInstall(NGC_ROOT / "bin" / "tritonserver", backends, None)
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("no tritonserver found: not in /opt/tritonserver (the NGC image) and "
@@ -65,6 +88,7 @@ def find_triton(workdir: Path) -> TritonInstall:
     shutil.copytree(dist / "backends" / "python", python_backend,
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(stub, python_backend / "triton_python_backend_stub")
+    install_backend(workdir / "backends")
     return TritonInstall(dist / "bin" / "tritonserver", workdir / "backends",
                          dist.parent.parent / "nvidia_pytriton.libs")
 
@@ -185,8 +209,7 @@ class TritonServer:
                    f"--http-address={self.host}", f"--http-port={self.http_port}",
                    f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
                    f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}"]
-        if install.backend_directory is not None:
-            command.append(f"--backend-directory={install.backend_directory}")
+        command.append(f"--backend-directory={install.backend_directory}")
         return command + self.extra_args
 
     def start(self) -> "TritonServer":
@@ -278,3 +301,20 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tools.triton_server install-backend DIR`: put the `tritonllm` backend into your
+    own Triton's backend directory (e.g. /opt/tritonserver/backends)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tools.triton_server", description=main.__doc__)
+    parser.add_argument("command", choices=("install-backend",))
+    parser.add_argument("backends", type=Path, help="Triton's backend directory")
+    args = parser.parse_args(argv)
+    print(f"installed {install_backend(args.backends)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

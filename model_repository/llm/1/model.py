@@ -37,8 +37,15 @@ except ImportError as error:  # the stub runs an isolated Python: PYTHONPATH doe
     raise ImportError("tritonllm's `backend` package is not importable by Triton's Python stub; "
                       "install it into the Python that runs tritonserver (pip install -e .)") from error
 
-from request_parsing import parse_request
-from triton_metrics import MetricsExporter
+import sys
+
+# Installed as the `tritonllm` backend (tools/triton_server.py), this file's neighbours are
+# imported from its own folder, wherever Triton's backend directory is.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from auto_complete import complete_config  # noqa: E402
+from request_parsing import parse_request  # noqa: E402
+from triton_metrics import MetricsExporter  # noqa: E402
 
 CANCEL_POLL_S = 0.1
 # is_cancelled() is an IPC round trip to Triton (~136 us alone, more under load): a poll checks at
@@ -70,6 +77,11 @@ def string_tensor(name: str, values: list[str]):
 
 
 class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        """A repository with only `backend: "tritonllm"` gets the tensors and streaming (auto_complete.py)."""
+        return complete_config(auto_complete_model_config)
+
     def initialize(self, args: dict) -> None:
         self.model_name = args["model_name"]
         model_config = json.loads(args["model_config"])
