@@ -256,3 +256,41 @@ def test_vllm_backend_sample_repository_streams_with_tritonclient(triton):
     client.stop_stream()
     client.close()
     assert len(pieces) >= 2 and "".join(pieces).strip()
+
+
+# -- `tritonllm serve` flags -----------------------------------------------------------------------
+def test_serve_refuses_trust_remote_code_before_starting_anything(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "tools.serve", "--trust-remote-code", "--workdir", str(tmp_path)],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "trust_remote_code: no remote code runs here" in done.stderr
+    assert not (tmp_path / "tritonserver.log").exists()
+
+
+def test_serve_no_frontend_runs_triton_only(tmp_path, model_path):
+    """A scale-out replica: Triton's ports answer, the OpenAI port stays closed; vLLM's log flags and
+    a hub id with --revision (from the local Hugging Face cache) are accepted."""
+    from tests.test_security import Serve, listening
+
+    fake_hf_cache(tmp_path / "hf", model_path)
+    saved = os.environ.get("HF_HOME")
+    os.environ["HF_HOME"] = str(tmp_path / "hf")
+    try:
+        serve = Serve(tmp_path / "serve", HUB_ID, "--no-frontend", "--revision", "v1", "--disable-log-stats",
+                      "--disable-log-requests", "--generation-config", "vllm")
+    finally:
+        os.environ.pop("HF_HOME") if saved is None else os.environ.__setitem__("HF_HOME", saved)
+    try:
+        assert "serving Triton only" in serve.log()
+        assert serve.triton("/v2/models/llm/ready")[0] == 200
+        status, body = serve.triton("/v2/models/llm/generate", {"text_input": "Hello", "parameters": {"max_tokens": 4}})
+        assert status == 200 and json.loads(body)["text_output"]
+        assert not listening(serve.ports["port"])
+        model_json = json.loads((tmp_path / "serve" / "model_repository" / "llm" / "1" / "model.json").read_text())
+        assert model_json["model"] == str(Path(model_path).resolve()) and "revision" not in model_json
+    finally:
+        serve.stop()

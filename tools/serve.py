@@ -58,6 +58,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                          help="OpenAI frontend: log prompts and completions (never logged otherwise)")
     servers.add_argument("--tool-call-parser", default="hermes", choices=("hermes", "json"),
                          help="the model's tool-call format, for the OpenAI frontend's tools support")
+    servers.add_argument("--no-frontend", action="store_true",
+                         help="Triton only (no OpenAI frontend): a replica of a scale-out deployment, behind "
+                              "one frontend given every replica's gRPC address (docs/deploy.md)")
+    servers.add_argument("--disable-log-stats", action="store_true",
+                         help="vLLM's flag, accepted: the engine logs no periodic stats (metrics are on the metrics port)")
+    servers.add_argument("--disable-log-requests", action="store_true",
+                         help="vLLM's flag, accepted: requests are never logged unless --log-requests")
     servers.add_argument("--workdir", type=Path, default=None,
                          help="where the runtime model repository, Triton's log and admin key go "
                               "(default: a new temporary folder)")
@@ -115,6 +122,9 @@ def engine_arguments(args: argparse.Namespace) -> dict:
 
 def start_frontend(args: argparse.Namespace, server: TritonServer, engine_args: dict,
                    key: str | None) -> subprocess.Popen | None:
+    if getattr(args, "no_frontend", False):
+        print("OpenAI frontend: off (--no-frontend); serving Triton only")
+        return None
     try:
         present = importlib.util.find_spec(FRONTEND_MODULE) is not None
     except ModuleNotFoundError:
