@@ -95,6 +95,20 @@ class LLMEngine:
             raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
         return None, ids
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """The token sequences that spell each bad word as vLLM bans them: the word as given (without
+        leading spaces), and with one leading space where that is a different first token and
+        the same number of tokens (how a word usually appears mid-text)."""
+        check(self.tokenizer is not None, "bad_words", "needs a tokenizer (skip_tokenizer_init is set)")
+        sequences = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        return [ids for ids in sequences if ids]
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     *, arrival_time: float | None = None, cache_salt: str | None = None,
                     priority: int = 0) -> None:
@@ -109,9 +123,22 @@ class LLMEngine:
         """Tokenize and validate without touching engine state (safe from any thread)."""
         params = copy.copy(params or SamplingParams())
         params.validate_for_model(self.vocab_size)
+        check(isinstance(priority, int) and not isinstance(priority, bool), "priority", "must be an integer",
+              priority)
+        check(priority == 0 or self.config.scheduling_policy == "priority", "priority",
+              "needs the engine's scheduling_policy priority (it is fcfs)", priority)
         prompt_text, prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
             raise ValueError("prompt: must not be empty")
+        if params.truncate_prompt_tokens is not None:
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            check(keep <= self.max_model_len, "truncate_prompt_tokens",
+                  f"must be at most max_model_len ({self.max_model_len}), or -1")
+            if len(prompt_ids) > keep:  # the prompt's last `keep` tokens, as vLLM keeps
+                prompt_ids = prompt_ids[-keep:]
+                prompt_text = None if prompt_text is None else self.tokenizer.decode(prompt_ids)
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         num_prompt = len(prompt_ids)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - num_prompt

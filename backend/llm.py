@@ -31,20 +31,24 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; outputs come back in the prompts' order."""
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs come back in the prompts' order.
+        `priority` (one per prompt, lower first) needs scheduling_policy="priority", as in vLLM."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params: give one, or one per prompt")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError("priority: give one per prompt")
         order: dict[str, int] = {}
-        for prompt, params in zip(prompts, sampling_params):
+        for prompt, params, rank in zip(prompts, sampling_params, priority):
             params = SamplingParams(**{**params.__dict__, "output_kind": RequestOutputKind.FINAL_ONLY})
             request_id = str(next(self._request_counter))
             order[request_id] = len(order)
-            self.llm_engine.add_request(request_id, prompt, params)
+            self.llm_engine.add_request(request_id, prompt, params, priority=rank)
         return self._run(order, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

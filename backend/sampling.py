@@ -44,6 +44,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
 
         self._suppress_stop_tokens(logits, requests)
+        self._apply_allowed_and_bad_words(logits, requests)
         self._apply_logit_bias(logits, requests)
         if any(p.uses_penalties for p in params):
             apply_penalties(logits, requests)
@@ -99,6 +100,24 @@ class Sampler:
                 stop_ids = set(params.stop_token_ids or ()) | params.all_stop_token_ids
                 if stop_ids:
                     logits[row, list(stop_ids)] = float("-inf")
+
+    @staticmethod
+    def _apply_allowed_and_bad_words(logits: torch.Tensor, requests: list[Request]) -> None:
+        """allowed_token_ids: every other token is masked. bad_words: a word's last token is masked
+        where the output so far ends with the word's other tokens (vLLM's rule: a one-token word is
+        always masked)."""
+        for row, request in enumerate(requests):
+            params = request.params
+            if params.allowed_token_ids:
+                allowed = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+                allowed[params.allowed_token_ids] = True
+                logits[row].masked_fill_(~allowed, float("-inf"))
+            if params.bad_words_token_ids:
+                output = request.output_token_ids
+                banned = [ids[-1] for ids in params.bad_words_token_ids
+                          if len(ids) == 1 or (len(ids) - 1 <= len(output) and output[len(output) - len(ids) + 1:] == ids[:-1])]
+                if banned:
+                    logits[row, banned] = float("-inf")
 
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:

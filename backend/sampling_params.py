@@ -95,9 +95,15 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     stream_interval: int | None = None  # streamed outputs every this many tokens (None: the server's)
+    bad_words: list[str] | None = None  # words never generated (vLLM's: the last token of each is banned
+    #                                     where the output already ends with the ones before it)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be generated
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Set by the engine, never by users: end-of-sequence ids from the model's generation config.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Set by the engine from bad_words: the token sequences to ban (each word with and without a leading space).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +113,8 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self.validate()
@@ -116,7 +124,8 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
 
-        integers = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed", "stream_interval")
+        integers = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed", "stream_interval",
+                    "truncate_prompt_tokens")
         for name in integers:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -146,11 +155,21 @@ class SamplingParams:
               "stop_token_ids", "must be non-negative integers")
         check(self.seed is None or -(1 << 63) <= self.seed < (1 << 64), "seed", "must fit in 64 bits")
         check(all(isinstance(s, str) for s in self.stop or []), "stop", "must be strings")
+        check(self.bad_words is None or (isinstance(self.bad_words, list)
+                                         and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+              "bad_words", "must be a list of non-blank strings")
+        check(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                                                 and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in self.allowed_token_ids)),
+              "allowed_token_ids", "must be a non-empty list of token ids")
+        check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1
+              or self.truncate_prompt_tokens == -1, "truncate_prompt_tokens", "must be at least 1, or -1 (max_model_len)")
 
     def validate_for_model(self, vocab_size: int) -> None:
         """Checks that need the model: token ids must exist in its vocabulary."""
         for name, ids in (("stop_token_ids", self.stop_token_ids or []),
-                          ("logit_bias", list(self.logit_bias or {}))):
+                          ("logit_bias", list(self.logit_bias or {})),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[:5]}")
@@ -169,16 +188,17 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
         """Build from a JSON object (Triton's `sampling_parameters`); numeric strings are cast."""
-        known = {f.name: f for f in fields(cls) if f.name not in ("output_kind", "all_stop_token_ids")}
+        known = {f.name: f for f in fields(cls)
+                 if f.name not in ("output_kind", "all_stop_token_ids", "bad_words_token_ids")}
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         cast = {}
         for name, value in values.items():
             type_name = str(known[name].type)
-            if name in ("stop", "structured_outputs"):
+            if name in ("stop", "structured_outputs", "bad_words"):
                 cast[name] = value
-            elif isinstance(value, str) and name == "stop_token_ids":
+            elif isinstance(value, str) and name in ("stop_token_ids", "allowed_token_ids"):
                 cast[name] = [int(v) for v in value.strip("[]").split(",") if v.strip()]
             else:
                 value = cast_value(name, type_name, value)

@@ -294,3 +294,85 @@ def test_serve_no_frontend_runs_triton_only(tmp_path, model_path):
         assert model_json["model"] == str(Path(model_path).resolve()) and "revision" not in model_json
     finally:
         serve.stop()
+
+
+# -- sampling parameters: bad_words, allowed_token_ids, truncate_prompt_tokens, priority ----------
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+
+
+def contains(sequence: list[int], part: list[int]) -> bool:
+    return any(sequence[i:i + len(part)] == part for i in range(len(sequence) - len(part) + 1))
+
+
+def test_allowed_token_ids_masks_every_other_token(llm, tokenizer):
+    from backend import SamplingParams
+
+    allowed = tokenizer.encode(" yes no maybe", add_special_tokens=False)
+    for params in (SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=allowed),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=8, allowed_token_ids=allowed)):
+        tokens = llm.generate(PROMPT, params)[0].outputs[0].token_ids
+        assert len(tokens) == 8 and set(tokens) <= set(allowed)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate(PROMPT, SamplingParams(allowed_token_ids=[10 ** 7]))
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+
+
+def test_bad_words_ban_a_words_last_token_after_its_prefix(llm, tokenizer):
+    """Greedy: the output equals the unconstrained one up to where that one spells a bad word;
+    there the word's last token is banned, and no bad word's tokens ever appear."""
+    from backend import SamplingParams
+
+    base = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    word = base.text.split()[1]  # a word the model certainly writes
+    banned = llm.llm_engine.bad_words_token_ids([word])
+    assert any(contains(base.token_ids, ids) for ids in banned)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, bad_words=[word]))[0].outputs[0]
+    assert not any(contains(out.token_ids, ids) for ids in banned)
+    first = min(i + len(ids) - 1 for ids in banned for i in range(len(base.token_ids))
+                if base.token_ids[i:i + len(ids)] == ids)
+    assert out.token_ids[:first] == base.token_ids[:first]  # unchanged before the banned token
+    assert out.token_ids[first] != base.token_ids[first]
+    # With and without a leading space, as vLLM tokenizes bad words.
+    spaced, bare = tokenizer.encode(" Berlin", add_special_tokens=False), tokenizer.encode("Berlin", add_special_tokens=False)
+    assert llm.llm_engine.bad_words_token_ids(["Berlin"]) == ([bare, spaced] if spaced[0] != bare[0]
+                                                              and len(spaced) == len(bare) else [bare])
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(llm, tokenizer):
+    from backend import SamplingParams
+
+    ids = tokenizer.encode(PROMPT)
+    truncated = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=5))[0]
+    tail = llm.generate(ids[-5:], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert truncated.prompt_token_ids == ids[-5:]
+    assert truncated.outputs[0].token_ids == tail.outputs[0].token_ids
+    whole = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=-1))[0]
+    assert whole.prompt_token_ids == ids  # -1: max_model_len, longer than the prompt
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens: must be at most max_model_len"):
+        llm.generate(PROMPT, SamplingParams(truncate_prompt_tokens=10 ** 6))
+
+
+def test_sampling_parameters_json_takes_the_new_names():
+    from backend import SamplingParams
+
+    params = SamplingParams.from_dict({"bad_words": "x", "allowed_token_ids": "[1, 2]", "truncate_prompt_tokens": "7"})
+    assert params.bad_words == ["x"] and params.allowed_token_ids == [1, 2] and params.truncate_prompt_tokens == 7
+
+
+def test_priority_needs_priority_scheduling_and_orders_the_queue(model_path, llm):
+    from backend import LLM, SamplingParams
+
+    with pytest.raises(ValueError, match="priority: needs the engine's scheduling_policy priority"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[1, 0])
+    engine = LLM(model_path, dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=128,
+                 max_num_seqs=1, scheduling_policy="priority").llm_engine
+    params = SamplingParams(temperature=0, max_tokens=3)
+    for request_id, rank in (("late", 5), ("urgent", -1), ("normal", 0)):
+        engine.add_request(request_id, PROMPT, params, priority=rank)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [output.request_id for output in engine.step() if output.finished]
+    assert finished == ["urgent", "normal", "late"]
