@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from backend.errors import EngineError
 from backend.sampling_params import SamplingParams
-from openai_frontend.errors import OpenAIError, invalid
+from openai_frontend.errors import OpenAIError, from_engine_error, invalid
 from openai_frontend.prompts import valid_text
 from openai_frontend.schemas import SamplingRequest, Usage
 from openai_frontend.triton import Chunk, SampleDelta, TokenLogprob, TritonClient
@@ -56,20 +57,14 @@ def sampling_parameters(request: SamplingRequest, *, max_tokens: int, logprobs: 
         values["logprobs"] = logprobs
     for stop in [request.stop] if isinstance(request.stop, str) else request.stop or ():
         valid_text(stop, "stop")
-    if any(token_id >= vocab_size for token_id in request.stop_token_ids or ()):
-        raise invalid("stop_token_ids", f"stop_token_ids: token ids must be in [0, {vocab_size})")
     if request.logit_bias:
-        values["logit_bias"] = {}
-        for key, bias in request.logit_bias.items():
-            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
-                raise invalid("logit_bias", f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r}")
-            values["logit_bias"][int(key)] = bias
-    try:
-        SamplingParams.from_dict(values)
-    except ValueError as error:  # "top_p must be in (0, 1], got 2.0"
-        name = str(error).split(" ")[0].rstrip(":")
-        param = structured[1] if name == "structured_outputs" else name if name in values else None
-        raise invalid(param, str(error)) from None
+        values["logit_bias"] = request.logit_bias
+    try:  # the engine's own checks, vocabulary included: one place for each rule
+        SamplingParams.from_dict(values).validate_for_model(vocab_size)
+    except EngineError as error:
+        if error.param == "structured_outputs" and structured[1]:
+            error.param = structured[1]
+        raise from_engine_error(error) from None
     if request.cache_salt is not None:
         values["cache_salt"] = valid_text(request.cache_salt, "cache_salt")
     return values
