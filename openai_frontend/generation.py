@@ -45,12 +45,15 @@ def structured_outputs(request: SamplingRequest) -> tuple[dict | None, str | Non
 
 
 def sampling_parameters(request: SamplingRequest, *, max_tokens: int, logprobs: int | None,
-                        vocab_size: int, structured: tuple[dict | None, str | None] = (None, None)) -> dict:
+                        vocab_size: int, structured: tuple[dict | None, str | None] = (None, None),
+                        n: int | None = None) -> dict:
     """The `sampling_parameters` JSON for Triton, validated by the engine's own rules so that a bad
     value is a 400 naming it here, not an error deep in Triton. `structured`: the structured_outputs
-    and the request field they came from."""
+    and the request field they came from; `n`: the samples to draw, when not the request's n."""
     values = {name: getattr(request, name) for name in PASSED_THROUGH if getattr(request, name) is not None}
     values["max_tokens"] = max_tokens
+    if n is not None:
+        values["n"] = n  # best_of: more samples than the client gets back
     if structured[0] is not None:
         values["structured_outputs"] = structured[0]
     if logprobs is not None:
@@ -83,6 +86,7 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    cumulative_logprob: float | None = None
 
 
 class Choices:
@@ -92,6 +96,7 @@ class Choices:
         self.n = n
         self.choices = [Choice() for _ in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
+        self.completion_tokens = 0  # set when best_of drops samples
 
     def update(self, prompt_index: int, chunk: Chunk) -> list[tuple[int, SampleDelta]]:
         """Fold one Triton response in; return the deltas worth sending, by choice index."""
@@ -106,13 +111,25 @@ class Choices:
             choice.num_tokens += sample.num_tokens
             choice.logprobs.extend(sample.logprobs or [])
             choice.finish_reason = sample.finish_reason
+            if sample.cumulative_logprob is not None:
+                choice.cumulative_logprob = sample.cumulative_logprob
             if sample.text or sample.logprobs or sample.finish_reason:
                 news.append((index, sample))
         return news
 
+    def keep_best(self, n: int) -> None:
+        """best_of: keep each prompt's n samples with the highest cumulative logprob (usage still
+        counts every generated token)."""
+        best = []
+        for start in range(0, len(self.choices), self.n):
+            samples = self.choices[start:start + self.n]
+            best += sorted(samples, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
+        self.completion_tokens = sum(choice.num_tokens for choice in self.choices)
+        self.choices, self.n = best, n
+
     def usage(self) -> Usage:
         prompt = sum(self.prompt_tokens)
-        completion = sum(choice.num_tokens for choice in self.choices)
+        completion = self.completion_tokens or sum(choice.num_tokens for choice in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 

@@ -44,6 +44,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
                 raise invalid(param, f"{param}: must be a JSON object, as text")
             entry.setdefault("tool_calls", []).append(
                 {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}})
+        if message.role == "tool" and message.tool_call_id is None:  # OpenAI refuses it too
+            raise invalid(f"messages[{i}].tool_call_id",
+                          f"messages[{i}].tool_call_id: required in a tool message (which call it answers)")
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         rendered.append(entry)

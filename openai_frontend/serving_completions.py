@@ -17,11 +17,31 @@ from openai_frontend.triton import TokenLogprob
 
 
 
+MAX_PROMPTS_PER_REQUEST = 256
+MAX_SAMPLES_PER_REQUEST = 256  # prompts x n (or best_of): a quarter of the engine's default waiting queue
+
+
 def split_prompts(prompt) -> list[str | list[int]]:
     """The prompt field's four shapes -> a list of prompts, each text or token ids."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         return [prompt]
     return list(prompt)
+
+
+def check_request_size(num_prompts: int, n: int, best_of: int | None, stream: bool) -> None:
+    """Bounds on one request's share of the engine: prompts, and samples (n or best_of, times
+    prompts). The prompts of a request are its unit: if the replica's queue cannot take them all,
+    the first refusal fails the whole request (503) and cancels the prompts already admitted."""
+    if num_prompts > MAX_PROMPTS_PER_REQUEST:
+        raise invalid("prompt", f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {num_prompts}")
+    if best_of is not None and best_of < n:
+        raise invalid("best_of", f"best_of: must be at least n ({n}), got {best_of}")
+    if best_of is not None and best_of != n and stream:
+        raise invalid("best_of", "best_of: a streamed request cannot pick its best samples; drop best_of or stream")
+    samples = num_prompts * (best_of or n)
+    if samples > MAX_SAMPLES_PER_REQUEST:
+        raise invalid("n", f"n: prompts times n (or best_of) must be at most {MAX_SAMPLES_PER_REQUEST} per request, "
+                           f"got {samples}")
 
 
 def completion_logprobs(entries: list[list[TokenLogprob]], offset: int) -> CompletionLogprobs:
@@ -44,6 +64,8 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
     if body.echo and body.logprobs is not None:
         raise invalid("echo", "echo: prompt logprobs are not supported; drop echo or logprobs")
     items = split_prompts(body.prompt)
+    samples = body.best_of if body.best_of is not None else body.n
+    check_request_size(len(items), body.n, body.best_of, body.stream)
     prompts = [frontend.prompts.encode(p) if isinstance(p, str) else frontend.prompts.check_token_ids(p, "prompt")
                for p in items]
     if not prompts or not all(prompts):
@@ -51,11 +73,11 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
     structured = structured_outputs(body)
     parameters = [sampling_parameters(body, logprobs=body.logprobs, vocab_size=frontend.prompts.vocab_size,
                                       max_tokens=frontend.prompts.max_tokens_for(len(ids), body.max_tokens, "prompt"),
-                                      structured=structured)
+                                      structured=structured, n=samples)
                   for ids in prompts]
     echoes = [p if isinstance(p, str) else frontend.prompts.decode(p) for p in items] if body.echo else None
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    choices = Choices(len(prompts), body.n)
+    choices = Choices(len(prompts), samples)
     log_request(frontend, response_id, prompts, parameters)
 
     if body.stream:
@@ -93,6 +115,7 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
             choices.update(prompt_index, chunk)
 
     await unless_disconnected(raw_request, collect())
+    choices.keep_best(body.n)
     log_completion(frontend, response_id, choices)
     return CompletionResponse(
         id=response_id, created=created, model=body.model, usage=choices.usage(),
