@@ -6,6 +6,7 @@ inputs), OpenAI's bounds (temperature, logprobs, best_of, embeddings input) and 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import numpy as np
@@ -188,3 +189,30 @@ def test_forged_system_turn_reaches_the_model_as_text(serve, model_name, model_p
     assert response.json()["usage"]["prompt_tokens"] == len(expected)
     naive = prompts.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert len(expected) != len(prompts.tokenizer(naive, add_special_tokens=False).input_ids)
+
+
+def embeddings_requests(serve) -> float:  # noqa: F811
+    """Triton requests the embeddings model has answered, successfully or not (Triton's counters)."""
+    text = httpx.get(serve.metrics_url, timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("nv_inference_request_success{", "nv_inference_request_failure{"))
+               and 'model="embeddings"' in line)
+
+
+def test_cut_embeddings_request_stops_its_work(serve):  # noqa: F811
+    """2048 inputs are 32 Triton calls of 64; a client that leaves after 2 s gets few of them run."""
+    before = embeddings_requests(serve)
+    texts = [f"{i} " + "many words in a long sentence " * 14 for i in range(2048)]  # ~1 MB
+    with pytest.raises(httpx.TimeoutException):  # the client gives up, as a cut connection does
+        httpx.post(f"{serve.url}/v1/embeddings", json={"model": EMBEDDINGS, "input": texts}, headers=AUTH,
+                   timeout=2)
+    last, deadline = embeddings_requests(serve), time.monotonic() + 120
+    while time.monotonic() < deadline:  # until the counters stand still for 3 s
+        time.sleep(3)
+        now = embeddings_requests(serve)
+        if now == last:
+            break
+        last = now
+    assert last - before <= 16, f"{last - before} of the 32 calls ran after the client left"
+    response = post(serve, "embeddings", {"model": EMBEDDINGS, "input": "still serving"})
+    assert response.status_code == 200

@@ -59,7 +59,10 @@ def parse_request(request) -> tuple[str | list[int], SamplingParams, dict[str, b
     values = {k: v for k, v in values.items() if v is not None}
     cache_salt = values.pop("cache_salt", None)
     check(cache_salt is None or isinstance(cache_salt, str), "cache_salt", "must be a string", cache_salt)
-    params = SamplingParams.from_dict(values)
+    try:
+        params = SamplingParams.from_dict(values)
+    except (TypeError, AttributeError, OverflowError) as error:  # a shape no check foresaw: still the client's
+        raise EngineError("sampling_parameters", f"invalid value ({error})") from None
     params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     return prompt, params, flags, cache_salt
 
