@@ -17,6 +17,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from backend.errors import EngineError
 from backend.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ def build_grammar(spec: StructuredOutputsParams) -> "xgrammar.Grammar":
         what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex", "choice": "choice",
                 "grammar": "grammar (EBNF)"}[kind]
         reason = XGRAMMAR_NOISE.sub("", str(error).strip())
-        raise ValueError(f"structured_outputs: invalid {what}: {reason}") from None
+        raise EngineError("structured_outputs", f"invalid {what}: {reason}") from None
 
 
 class GrammarCompiler:
@@ -76,7 +77,7 @@ class GrammarCompiler:
 
         if self._compiler is None:
             if self.tokenizer is None:
-                raise ValueError("structured_outputs: needs a tokenizer (skip_tokenizer_init is set)")
+                raise EngineError("structured_outputs", "needs a tokenizer (skip_tokenizer_init is set)")
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # our LRU caches
@@ -94,7 +95,7 @@ class GrammarCompiler:
                 compiled = self.compiler().compile_grammar(grammar)
             except RuntimeError as error:
                 reason = XGRAMMAR_NOISE.sub("", str(error).strip())
-                raise ValueError(f"structured_outputs: cannot compile: {reason}") from None
+                raise EngineError("structured_outputs", f"cannot compile: {reason}") from None
             self.cache[key] = compiled
             if len(self.cache) > self.cache_size:
                 self.cache.popitem(last=False)
