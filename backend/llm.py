@@ -15,6 +15,10 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if model is None:  # the default model: fetched and converted on first use
+            from tools.prepare_model import prepare_model
+
+            model = str(prepare_model())
         self.llm_engine = LLMEngine(EngineConfig.from_dict({"model": model, **kwargs}))
         self._request_counter = itertools.count()
 
@@ -31,7 +35,7 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params: give one, or one per prompt")
-        order = {}
+        order: dict[str, int] = {}
         for prompt, params in zip(prompts, sampling_params):
             params = SamplingParams(**{**params.__dict__, "output_kind": RequestOutputKind.FINAL_ONLY})
             request_id = str(next(self._request_counter))

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from backend.config import cast_value
+from backend.config import cast_value, json_object_option
 from backend.errors import EngineError, check
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's and vLLM's bound
@@ -41,10 +41,7 @@ class StructuredOutputsParams:
             raise EngineError("structured_outputs", "give exactly one of json, regex, choice, grammar, "
                               f"json_object; got {kinds or 'none'}")
         if isinstance(self.json, str):
-            try:
-                self.json = json.loads(self.json)
-            except json.JSONDecodeError as error:
-                raise EngineError("structured_outputs", f"json is not valid JSON ({error})") from None
+            self.json = parse_json(self.json, "structured_outputs")
         if self.json is not None and not isinstance(self.json, dict):
             raise EngineError("structured_outputs", f"json must be a JSON schema object, got {self.json!r:.80}")
         check_json_depth(self.json, "structured_outputs")
@@ -184,7 +181,7 @@ class SamplingParams:
               f"unknown sampling parameter(s): {', '.join(unknown)}")
         cast = {}
         for name, value in values.items():
-            type_name = known[name].type
+            type_name = str(known[name].type)
             try:
                 if name in ("stop", "structured_outputs", "logit_bias"):
                     cast[name] = value
@@ -204,17 +201,6 @@ class SamplingParams:
                     raise EngineError(name, message) from None
                 raise EngineError(name, "invalid value", value=value) from None
         return cls(**cast)
-
-
-def json_object_option(name: str, value: Any, known: list[str]) -> dict:
-    """An option given as a dict or its JSON text (CLI, model.json, sampling_parameters), with only
-    known keys; clear EngineErrors naming the option otherwise."""
-    if isinstance(value, str):
-        value = parse_json(value, name)
-    check(isinstance(value, dict), name, f"must be a JSON object, got {value!r:.80}")
-    unknown = sorted(set(value) - set(known))
-    check(not unknown, name, f"unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    return value
 
 
 def parse_json(text: str, name: str, **options: Any) -> Any:

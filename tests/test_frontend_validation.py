@@ -69,7 +69,7 @@ def test_forged_system_turn_is_plain_text(model_path):
 
 
 # -- through Triton -------------------------------------------------------------------------------
-def stream_error(serve, inputs) -> str | None:  # noqa: F811
+def stream_error(serve, inputs) -> str | None:
     from tests.test_triton_model import Stream, is_final
     stream = Stream(serve.grpc_url)
     try:
@@ -94,13 +94,13 @@ def stream_error(serve, inputs) -> str | None:  # noqa: F811
     (make_inputs("Hi") + make_inputs([1, 2, 3])[:1], "input_ids: give text_input or input_ids, not both",
      "param=input_ids"),
 ], ids=["deep schema", "very deep JSON", "stop an object", "temperature -1", "text and ids"])
-def test_bad_triton_inputs_get_a_tagged_invalid_arg(serve, inputs, fragment, tag):  # noqa: F811
+def test_bad_triton_inputs_get_a_tagged_invalid_arg(serve, inputs, fragment, tag):
     message = stream_error(serve, inputs)
     assert message is not None and fragment in message and message.endswith(f"[code=invalid_parameter {tag}]"), \
         message
 
 
-def test_deep_json_leaves_no_traceback(serve, tmp_path_factory):  # noqa: F811
+def test_deep_json_leaves_no_traceback(serve, tmp_path_factory):
     for _ in range(3):
         assert "nested deeper" in stream_error(serve, make_inputs("Hi", "[" * VERY_DEEP + "]" * VERY_DEEP))
     logs = [p for p in tmp_path_factory.getbasetemp().glob("serve*/**/*.log")]
@@ -110,7 +110,7 @@ def test_deep_json_leaves_no_traceback(serve, tmp_path_factory):  # noqa: F811
 
 
 # -- through the frontend -------------------------------------------------------------------------
-def post(serve, endpoint: str, body: dict) -> httpx.Response:  # noqa: F811
+def post(serve, endpoint: str, body: dict) -> httpx.Response:
     return httpx.post(f"{serve.url}/v1/{endpoint}", json=body, headers=AUTH, timeout=120)
 
 
@@ -124,7 +124,7 @@ def model_name(model_path):
     return model_path.rstrip("/").split("/")[-1]
 
 
-def test_frontend_refuses_what_openai_refuses(serve, model_name):  # noqa: F811
+def test_frontend_refuses_what_openai_refuses(serve, model_name):
     completion = {"model": model_name, "prompt": "Hi", "max_tokens": 2}
     chat = {"model": model_name, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
     cases = [
@@ -151,7 +151,7 @@ def test_frontend_refuses_what_openai_refuses(serve, model_name):  # noqa: F811
     assert not wrong, wrong
 
 
-def test_best_of_returns_the_n_most_likely(serve, model_name):  # noqa: F811
+def test_best_of_returns_the_n_most_likely(serve, model_name):
     body = {"model": model_name, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 1.0,
             "seed": 7, "n": 1, "best_of": 4}
     response = post(serve, "completions", body)
@@ -164,7 +164,7 @@ def test_best_of_returns_the_n_most_likely(serve, model_name):  # noqa: F811
     assert data["choices"][0]["text"] == everything["choices"][int(np.argmax(scores))]["text"]
 
 
-def test_token_id_embeddings_match_text(serve):  # noqa: F811
+def test_token_id_embeddings_match_text(serve):
     from transformers import AutoTokenizer
     from tools.prepare_embeddings import prepare_embeddings
     tokenizer = AutoTokenizer.from_pretrained(prepare_embeddings())
@@ -179,7 +179,7 @@ def test_token_id_embeddings_match_text(serve):  # noqa: F811
     np.testing.assert_allclose(one["data"][0]["embedding"], by_text["data"][0]["embedding"], atol=1e-5)
 
 
-def test_forged_system_turn_reaches_the_model_as_text(serve, model_name, model_path):  # noqa: F811
+def test_forged_system_turn_reaches_the_model_as_text(serve, model_name, model_path):
     prompts = PromptBuilder(model_path)
     messages = [{"role": "user", "content": FORGED}]
     _, expected = prompts.render_chat(messages, True, False)
@@ -190,7 +190,7 @@ def test_forged_system_turn_reaches_the_model_as_text(serve, model_name, model_p
     assert len(expected) != len(prompts.tokenizer(naive, add_special_tokens=False).input_ids)
 
 
-def embeddings_requests(serve) -> float:  # noqa: F811
+def embeddings_requests(serve) -> float:
     """Triton requests the embeddings model has answered, successfully or not (Triton's counters)."""
     text = httpx.get(serve.metrics_url, timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -198,7 +198,7 @@ def embeddings_requests(serve) -> float:  # noqa: F811
                and 'model="embeddings"' in line)
 
 
-def test_cut_embeddings_request_stops_its_work(serve):  # noqa: F811
+def test_cut_embeddings_request_stops_its_work(serve):
     """2048 inputs are 32 Triton calls of 64; of a client's that leaves after 2 s, few run."""
     before = embeddings_requests(serve)
     texts = [f"{i} " + "many words in a long sentence " * 14 for i in range(2048)]  # ~1 MB

@@ -78,4 +78,3 @@ def utf8(value, name: str) -> str:
 
 def reject_constant(name: str):
     raise EngineError("sampling_parameters", f"{name} is not a number JSON allows")
-
