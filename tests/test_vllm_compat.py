@@ -376,3 +376,33 @@ def test_priority_needs_priority_scheduling_and_orders_the_queue(model_path, llm
     while engine.has_unfinished_requests():
         finished += [output.request_id for output in engine.step() if output.finished]
     assert finished == ["urgent", "normal", "late"]
+
+
+def test_new_sampling_parameters_through_triton(triton, tokenizer):
+    """bad_words, allowed_token_ids, truncate_prompt_tokens and priority in `sampling_parameters`
+    (the HTTP generate endpoint's "parameters"); priority needs priority scheduling."""
+    import urllib.error
+    import urllib.request
+
+    def generate(parameters: dict) -> tuple[int, dict]:
+        body = json.dumps({"text_input": PROMPT, "exclude_input_in_output": True, "parameters": parameters}).encode()
+        request = urllib.request.Request(f"http://{triton.http_url}/v2/models/vllm_model/generate", body)
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    status, base = generate({"max_tokens": 8, "temperature": 0})
+    assert status == 200
+    word = base["text_output"].split()[0]
+    status, banned = generate({"max_tokens": 8, "temperature": 0, "bad_words": [word], "priority": 0,
+                               "truncate_prompt_tokens": 64})
+    assert status == 200 and word not in banned["text_output"].split()
+    allowed = [tokenizer.encode(word, add_special_tokens=False)[0] for word in (" yes", " no")]
+    status, only = generate({"max_tokens": 4, "temperature": 0, "allowed_token_ids": allowed})
+    assert status == 200 and only["text_output"].split() and set(only["text_output"].split()) <= {"yes", "no"}
+    status, error = generate({"max_tokens": 4, "priority": 1})
+    assert status == 400 and "priority" in error["error"] and "scheduling_policy" in error["error"]
+    status, error = generate({"max_tokens": 4, "bad_words": [""]})
+    assert status == 400 and "bad_words" in error["error"]
