@@ -203,7 +203,9 @@ class SamplingParams:
         for name, value in values.items():
             type_name = str(known[name].type)
             try:
-                if name in ("stop", "structured_outputs", "logit_bias", "bad_words"):
+                if name == "bad_words" and isinstance(value, str) and value.strip().startswith("["):
+                    cast[name] = json.loads(value)  # JSON text: the generate endpoints take no lists
+                elif name in ("stop", "structured_outputs", "logit_bias", "bad_words"):
                     cast[name] = value
                 elif isinstance(value, str) and name in ("stop_token_ids", "allowed_token_ids"):
                     cast[name] = [int(v) for v in value.strip("[]").split(",") if v.strip()]
