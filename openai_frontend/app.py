@@ -50,6 +50,7 @@ class Settings:
     max_body_bytes: int = 1 << 20
     embeddings_model_name: str = EMBEDDINGS_MODEL_NAME
     log_requests: bool = False  # log prompts and completions (clients' data: off unless asked)
+    chat_template: str | None = None  # a Jinja chat template, or a file holding one, instead of the model's
     tool_call_parser: str = "hermes"  # the model's tool-call format (openai_frontend/tool_parsers.py)
     request_timeout: float | None = None  # seconds for a whole request (Triton cancels it past them); none
     header_timeout: float = 10.0  # seconds a client has to send a request's headers
@@ -84,7 +85,8 @@ class Frontend:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.prompts = PromptBuilder(settings.model, settings.tokenizer, settings.max_model_len)
+        self.prompts = PromptBuilder(settings.model, settings.tokenizer, settings.max_model_len,
+                                     settings.chat_template)
         # Connected inside the event loop (lifespan); TritonClient's calls, routed.
         self.triton = Replicas(settings.triton_urls(), settings.routing, settings.triton_urls_file,
                                settings.request_timeout)

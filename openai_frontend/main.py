@@ -43,6 +43,8 @@ HELP = {
     "max_body_bytes": "largest request body accepted (413 above)",
     "embeddings_model_name": "the embeddings model's id for clients",
     "log_requests": "log prompts and completions (never logged otherwise)",
+    "chat_template": "a Jinja chat template, or a file holding one, used instead of the model's (vLLM's "
+                     "--chat-template)",
     "tool_call_parser": "how tool calls are written in the model's output: hermes (<tool_call>{...}</tool_call>) "
                         "or json",
     "request_timeout": "seconds a whole request may take, streams included, before it fails with 504 and "

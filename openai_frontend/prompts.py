@@ -27,11 +27,24 @@ def valid_text(text: str, param: str) -> str:
     return text
 
 
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template: a file's content, else the text itself as the template."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:  # no Jinja at all: a file name that is not there
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    return value
+
+
 class PromptBuilder:
-    def __init__(self, model: str, tokenizer: str | None = None, max_model_len: int | None = None) -> None:
+    def __init__(self, model: str, tokenizer: str | None = None, max_model_len: int | None = None,
+                 chat_template: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model, trust_remote_code=False)
+        if chat_template is not None:
+            self.tokenizer.chat_template = load_chat_template(chat_template)
         config_path = Path(model) / "config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.max_model_len = max_model_len or config.get("max_position_embeddings", 2048)

@@ -407,3 +407,16 @@ def test_new_sampling_parameters_through_triton(triton, tokenizer):
     assert status == 400 and "priority" in error["error"] and "scheduling_policy" in error["error"]
     status, error = generate({"max_tokens": 4, "bad_words": '[""]'})
     assert status == 400 and "bad_words" in error["error"]
+
+
+def test_chat_template_from_a_file_or_inline(tmp_path, model_path):
+    from openai_frontend.prompts import PromptBuilder
+
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    (tmp_path / "template.jinja").write_text(template)
+    messages = [{"role": "user", "content": "hi"}]
+    for given in (template, str(tmp_path / "template.jinja")):
+        text, ids = PromptBuilder(model_path, chat_template=given).render_chat(messages, True, False)
+        assert text == "<<hi>>"
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        PromptBuilder(model_path, chat_template=str(tmp_path / "absent.jinja"))

@@ -58,6 +58,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                          help="OpenAI frontend: log prompts and completions (never logged otherwise)")
     servers.add_argument("--tool-call-parser", default="hermes", choices=("hermes", "json"),
                          help="the model's tool-call format, for the OpenAI frontend's tools support")
+    servers.add_argument("--chat-template", default=None,
+                         help="OpenAI frontend: a Jinja chat template, or a file holding one, instead of the model's")
     servers.add_argument("--no-frontend", action="store_true",
                          help="Triton only (no OpenAI frontend): a replica of a scale-out deployment, behind "
                               "one frontend given every replica's gRPC address (docs/deploy.md)")
@@ -134,7 +136,7 @@ def start_frontend(args: argparse.Namespace, server: TritonServer, engine_args: 
         return None
     command = [sys.executable, "-m", FRONTEND_MODULE, "--host", args.host, "--port", str(args.port),
                "--grpc-url", server.grpc_url, "--model", engine_args["model"]]
-    for name in ("served_model_name", "tokenizer", "max_model_len"):
+    for name in ("served_model_name", "tokenizer", "max_model_len", "chat_template"):
         if getattr(args, name, None) is not None:
             command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if getattr(args, "log_requests", False):
@@ -243,6 +245,12 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         engine_args = engine_arguments(args)
         key = api_key(args)
+        if getattr(args, "chat_template", None) is not None:  # checked now, not after Triton loaded
+            template = Path(args.chat_template).expanduser()
+            if template.is_file():
+                args.chat_template = str(template.resolve())
+            elif "{" not in args.chat_template:
+                raise ValueError(f"--chat-template: {args.chat_template!r} is neither a file nor a Jinja template")
     except (ValueError, OSError) as error:
         print(f"tritonllm serve: {error}", file=sys.stderr)
         return 2
