@@ -50,6 +50,7 @@ class Settings:
     max_body_bytes: int = 1 << 20
     embeddings_model_name: str = EMBEDDINGS_MODEL_NAME
     log_requests: bool = False  # log prompts and completions (clients' data: off unless asked)
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     chat_template: str | None = None  # a Jinja chat template, or a file holding one, instead of the model's
     tool_call_parser: str = "hermes"  # the model's tool-call format (openai_frontend/tool_parsers.py)
     request_timeout: float | None = None  # seconds for a whole request (Triton cancels it past them); none

@@ -16,7 +16,7 @@ from backend.errors import EngineError
 from backend.sampling_params import SamplingParams
 from openai_frontend.errors import OpenAIError, from_engine_error, invalid
 from openai_frontend.prompts import valid_text
-from openai_frontend.schemas import SamplingRequest, Usage
+from openai_frontend.schemas import PromptTokensDetails, SamplingRequest, Usage
 from openai_frontend.triton import Chunk, SampleDelta, TokenLogprob, TritonClient
 
 request_log = logging.getLogger("openai_frontend.requests")
@@ -95,15 +95,18 @@ class Choice:
 class Choices:
     """Per-choice state of one HTTP request: choice index = prompt index * n + sample index."""
 
-    def __init__(self, num_prompts: int, n: int) -> None:
+    def __init__(self, num_prompts: int, n: int, prompt_tokens_details: bool = False) -> None:
         self.n = n
         self.choices = [Choice() for _ in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
+        self.cached_tokens = [0] * num_prompts
+        self.prompt_tokens_details = prompt_tokens_details  # --enable-prompt-tokens-details
         self.completion_tokens = 0  # set when best_of drops samples
 
     def update(self, prompt_index: int, chunk: Chunk) -> list[tuple[int, SampleDelta]]:
         """Fold one Triton response in; return the deltas worth sending, by choice index."""
         self.prompt_tokens[prompt_index] = chunk.prompt_tokens
+        self.cached_tokens[prompt_index] = max(self.cached_tokens[prompt_index], chunk.cached_tokens)
         news = []
         for sample in chunk.samples:
             index = prompt_index * self.n + sample.index
@@ -133,7 +136,9 @@ class Choices:
     def usage(self) -> Usage:
         prompt = sum(self.prompt_tokens)
         completion = self.completion_tokens or sum(choice.num_tokens for choice in self.choices)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        details = PromptTokensDetails(cached_tokens=sum(self.cached_tokens)) if self.prompt_tokens_details else None
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=details)
 
 
 async def merge(streams: list[AsyncGenerator[Chunk, None]]) -> AsyncGenerator[tuple[int, Chunk], None]:

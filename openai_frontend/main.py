@@ -43,6 +43,8 @@ HELP = {
     "max_body_bytes": "largest request body accepted (413 above)",
     "embeddings_model_name": "the embeddings model's id for clients",
     "log_requests": "log prompts and completions (never logged otherwise)",
+    "enable_prompt_tokens_details": "report usage.prompt_tokens_details.cached_tokens, the prompt tokens served "
+                                    "from the prefix cache (vLLM's flag)",
     "chat_template": "a Jinja chat template, or a file holding one, used instead of the model's (vLLM's "
                      "--chat-template)",
     "tool_call_parser": "how tool calls are written in the model's output: hermes (<tool_call>{...}</tool_call>) "

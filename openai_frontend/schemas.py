@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Bias = Annotated[float, Field(ge=-100, le=100)]
@@ -155,10 +155,23 @@ class EmbeddingRequest(Request):
 
 
 # -- responses -----------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details
+
+    @model_serializer(mode="wrap")
+    def _without_absent_details(self, handler):
+        """prompt_tokens_details appears only when the server was asked for it (as in vLLM)."""
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
 
 
 class CompletionLogprobs(BaseModel):

@@ -101,7 +101,7 @@ async def serve_chat_completion(frontend, body: ChatCompletionRequest, raw_reque
     parameters = sampling_parameters(body, max_tokens=max_tokens, logprobs=top_logprobs,
                                      vocab_size=frontend.prompts.vocab_size, structured=structured)
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    choices = Choices(1, body.n)
+    choices = Choices(1, body.n, frontend.settings.enable_prompt_tokens_details)
     log_request(frontend, response_id, [prompt_ids], [parameters])
 
     def chunk(choice: dict) -> dict:

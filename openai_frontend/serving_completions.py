@@ -77,7 +77,7 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
                   for ids in prompts]
     echoes = [p if isinstance(p, str) else frontend.prompts.decode(p) for p in items] if body.echo else None
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    choices = Choices(len(prompts), samples)
+    choices = Choices(len(prompts), samples, frontend.settings.enable_prompt_tokens_details)
     log_request(frontend, response_id, prompts, parameters)
 
     if body.stream:

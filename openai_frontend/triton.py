@@ -30,7 +30,8 @@ LLM_MODEL = "llm"
 EMBEDDINGS_MODEL = "embeddings"
 EMBEDDINGS_MAX_BATCH = 64  # the embeddings model's max_batch_size
 EMBEDDINGS_BATCHES_IN_FLIGHT = 2  # per request: enough to keep the model busy, not to monopolise it
-RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
+                "return_num_cached_tokens")
 DRAIN_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 5.0  # a readiness call or probe not answered by then: Triton is frozen or swamped
 CHANNEL_ARGS = [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
@@ -79,6 +80,7 @@ class SampleDelta:
 class Chunk:
     prompt_tokens: int
     samples: list[SampleDelta]
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 def _tensor(name: str, value: np.ndarray, datatype: str) -> InferInput:
@@ -114,7 +116,9 @@ def _chunk(result, want_logprobs: bool) -> Chunk:
             logprobs=_parse_logprobs(logprobs[i]) if logprobs is not None else None,
             cumulative_logprob=float(cumulative[i]) if cumulative is not None else None))
     prompt_tokens = result.as_numpy("num_input_tokens")
-    return Chunk(int(prompt_tokens[0]) if prompt_tokens is not None else 0, samples)
+    cached = result.as_numpy("num_cached_tokens")
+    return Chunk(int(prompt_tokens[0]) if prompt_tokens is not None else 0, samples,
+                 int(cached[0]) if cached is not None else 0)
 
 
 async def _drain(responses) -> None:

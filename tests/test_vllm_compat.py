@@ -420,3 +420,33 @@ def test_chat_template_from_a_file_or_inline(tmp_path, model_path):
         assert text == "<<hi>>"
     with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
         PromptBuilder(model_path, chat_template=str(tmp_path / "absent.jinja"))
+
+
+def test_serve_prompt_tokens_details_chat_template_and_openai_priority(tmp_path, model_path):
+    """--enable-prompt-tokens-details: usage counts the prompt tokens the prefix cache served;
+    --chat-template reaches the frontend; the OpenAI `priority` field reaches priority scheduling."""
+    import httpx
+
+    from tests.test_security import API_KEY, Serve
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    serve = Serve(tmp_path / "serve", model_path, "--enable-prompt-tokens-details", "--chat-template", template,
+                  "--scheduling-policy", "priority")
+    try:
+        url = f"http://127.0.0.1:{serve.ports['port']}/v1"
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        prompt = "A long shared system prompt that spans a few KV blocks of sixteen tokens each, " * 2
+        body = {"model": Path(model_path).name, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        first = httpx.post(f"{url}/completions", json=body, headers=auth, timeout=120).json()
+        second = httpx.post(f"{url}/completions", json={**body, "priority": -1}, headers=auth, timeout=120).json()
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert 16 <= cached < second["usage"]["prompt_tokens"] and cached % 16 == 0
+        chat = httpx.post(f"{url}/chat/completions", headers=auth, timeout=120, json={
+            "model": Path(model_path).name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2})
+        # The template writes the message alone: the same tokens as the completion's prompt but BOS.
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["prompt_tokens"] in (first["usage"]["prompt_tokens"],
+                                                         first["usage"]["prompt_tokens"] - 1)
+    finally:
+        serve.stop()

@@ -60,6 +60,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                          help="the model's tool-call format, for the OpenAI frontend's tools support")
     servers.add_argument("--chat-template", default=None,
                          help="OpenAI frontend: a Jinja chat template, or a file holding one, instead of the model's")
+    servers.add_argument("--enable-prompt-tokens-details", action="store_true",
+                         help="OpenAI frontend: usage.prompt_tokens_details.cached_tokens (prefix-cache hits)")
     servers.add_argument("--no-frontend", action="store_true",
                          help="Triton only (no OpenAI frontend): a replica of a scale-out deployment, behind "
                               "one frontend given every replica's gRPC address (docs/deploy.md)")
@@ -141,6 +143,8 @@ def start_frontend(args: argparse.Namespace, server: TritonServer, engine_args: 
             command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if getattr(args, "log_requests", False):
         command.append("--log-requests")
+    if getattr(args, "enable_prompt_tokens_details", False):
+        command.append("--enable-prompt-tokens-details")
     command += ["--tool-call-parser", args.tool_call_parser]
     env = dict(os.environ)
     env.pop(API_KEY_ENV, None)

@@ -266,6 +266,8 @@ class TritonPythonModel:
         if job.flags["return_num_output_tokens"]:
             # DELTA outputs carry only new tokens, so this is the count since the previous response.
             tensors.append(pb_utils.Tensor("num_output_tokens", np.array(num_output_tokens, np.uint32)))
+        if job.flags["return_num_cached_tokens"]:  # prompt tokens served from the prefix cache
+            tensors.append(pb_utils.Tensor("num_cached_tokens", np.array([output.num_cached_tokens], np.uint32)))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     # -- health and metrics --------------------------------------------------------------------
