@@ -43,9 +43,9 @@ import sys
 # imported from its own folder, wherever Triton's backend directory is.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from auto_complete import complete_config  # noqa: E402
-from request_parsing import parse_request  # noqa: E402
-from triton_metrics import MetricsExporter  # noqa: E402
+from auto_complete import complete_config
+from request_parsing import parse_request
+from triton_metrics import MetricsExporter
 
 CANCEL_POLL_S = 0.1
 # is_cancelled() is an IPC round trip to Triton (~136 us alone, more under load): a poll checks at
