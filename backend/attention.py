@@ -61,17 +61,18 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                     sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D], kv_cache [2, KVH, num_blocks, block_size, D].
-    Returns [T, H * D]. A sliding window or a logit soft cap (see `ops.paged_attention`) takes the
-    torch path, not the C++ kernel (yet)."""
+    Returns [T, H * D]. The options as in `ops.paged_attention`; the C++ kernel starts each token
+    at its window, never reading blocks before it (the engine may have freed them)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[1]
     fused = (cpu_ops.supports(query) and head_dim in (64, 128) and num_heads // num_kv_heads <= 8
              and kv_cache.dtype == query.dtype  # an fp8 cache takes the torch path, converting at its edges
-             and meta.token_rows is not None and sliding_window is None and logits_soft_cap is None)
+             and meta.token_rows is not None)
     if fused:
         cpu_ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
         out = cpu_ops.paged_attention(query, kv_cache, meta.block_tables, meta.token_rows,
-                                      meta.token_context_lens, scale)
+                                      meta.token_context_lens, scale, sliding_window=sliding_window,
+                                      logits_soft_cap=logits_soft_cap)
         return out.view(num_tokens, num_heads * head_dim)
     key_slots = kv_cache[0].view(num_kv_heads, -1, head_dim)  # [KVH, num_slots, D]
     value_slots = kv_cache[1].view(num_kv_heads, -1, head_dim)
