@@ -103,10 +103,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     Hugging Face's semantics for the options: with a sliding window the query at position i sees
     keys j with i - window < j <= i; a soft cap turns the scaled scores s into cap * tanh(s / cap)
-    before the softmax. Either one runs the torch path for now, on every device."""
-    if not _use_triton(query) or sliding_window is not None or logits_soft_cap is not None:
-        return attention.paged_attention(query, key, value, kv_cache, meta, scale,
-                                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    before the softmax. Every path takes both; blocks wholly before a token's window are never read."""
+    options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    if not _use_triton(query):
+        return attention.paged_attention(query, key, value, kv_cache, meta, scale, **options)
     kernels = _triton()
     key_cache, value_cache = attention.cache_views(kv_cache)
     kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
@@ -115,11 +115,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_decodes = meta.num_decodes
     if num_decodes:
         kernels.paged_attention_decode(query[:num_decodes], key_cache, value_cache, meta.decode_block_tables,
-                                       meta.decode_seq_lens, scale, out=out[:num_decodes])
+                                       meta.decode_seq_lens, scale, out=out[:num_decodes], **options)
     if meta.prefills:
         kernels.paged_attention_prefill(query[num_decodes:], key_cache, value_cache, meta.prefill_block_tables,
                                         meta.prefill_query_starts, meta.prefill_seq_lens,
-                                        meta.max_prefill_query_len, scale, out=out[num_decodes:])
+                                        meta.max_prefill_query_len, scale, out=out[num_decodes:], **options)
     return out.view(num_tokens, num_heads * head_dim)
 
 
