@@ -62,7 +62,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len)
         self.vocab_size = self.runner.args.vocab_size
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                       config.enable_prefix_caching, self.runner.num_swap_blocks)
+                                       config.enable_prefix_caching, self.runner.num_swap_blocks,
+                                       sliding_window=self.limits.sliding_window)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, max_batched,
                                    config.enable_chunked_prefill, config.preemption_mode,
                                    config.scheduling_policy)
@@ -112,10 +113,11 @@ class LLMEngine:
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens; the "
                              f"request asks for {num_prompt + params.max_tokens} ({num_prompt} in the "
                              f"prompt, {params.max_tokens} max_tokens). Shorten the prompt or max_tokens.")
-        needed = self.kv_cache.blocks_needed(num_prompt + params.max_tokens)
-        if needed > self.kv_cache.num_blocks:
+        step = self.limits.max_num_batched_tokens if self.config.enable_chunked_prefill else None
+        needed = self.kv_cache.most_blocks_held(num_prompt + params.max_tokens, step)
+        if needed > self.kv_cache.num_usable_blocks:
             raise ValueError(f"the request needs {needed} KV-cache blocks but only "
-                             f"{self.kv_cache.num_blocks} exist; raise kv_cache_memory_bytes")
+                             f"{self.kv_cache.num_usable_blocks} exist; raise kv_cache_memory_bytes")
         params.all_stop_token_ids = self.eos_token_ids | set(params.stop_token_ids or ())
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         # A request may stream more sparsely than the server does, not more densely (as in vLLM).
