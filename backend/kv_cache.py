@@ -133,7 +133,7 @@ class KVCacheManager:
             parent = request.block_hashes[-1] if request.block_hashes else None
             block_hash = self._block_hash(parent, block_tokens, request.cache_salt)
             request.block_hashes.append(block_hash)
-            if request.block_table[index] == NULL_BLOCK:  # freed behind the window: only the hash chain
+            if self.sliding_window and request.block_table[index] == NULL_BLOCK:  # freed: only the hash chain
                 continue
             block = self.blocks[request.block_table[index]]
             block.hash, block.token_ids = block_hash, block_tokens

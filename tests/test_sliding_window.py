@@ -136,3 +136,34 @@ def test_blocks_behind_the_window_are_freed_during_a_long_generation(mistral):
     assert kv.num_window_freed_blocks >= 240 // BLOCK_SIZE - 4
     assert tokens == hf_tokens(model, PROMPTS[0], 200)
     assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_block_manager_frees_behind_the_window_and_keeps_prefix_hashes():
+    """Blocks of 4, window 6: after 14 computed tokens the next token (position 14) sees 9-14, so
+    blocks 0 and 1 (positions 0-7) are freed, their entries the null block, which is never handed
+    out; the hash chain goes on, a later prompt with the same prefix still hits the freed blocks,
+    and freeing the request releases each real block once."""
+    from backend.kv_cache import KVCacheManager
+    from backend.request import Request
+
+    kv = KVCacheManager(num_blocks=12, block_size=4, sliding_window=6)
+    assert kv.num_usable_blocks == 11 and NULL_BLOCK not in kv.free_blocks
+    tokens = list(range(100, 120))
+    request = Request("a", None, tokens, SamplingParams())
+    assert kv.allocate_slots(request, 14)
+    request.num_computed_tokens = 14
+    kv.cache_full_blocks(request)
+    assert kv.free_behind_window(request) == 2
+    assert request.block_table[:2] == [NULL_BLOCK, NULL_BLOCK] and kv.num_free_blocks == 11 - 2
+    assert kv.free_behind_window(request) == 0  # nothing more until it moves on
+    assert kv.allocate_slots(request, 2)
+    request.num_computed_tokens = 16
+    kv.cache_full_blocks(request)
+    assert len(request.block_hashes) == 4  # the chain continued over the freed entries
+    later = Request("b", None, tokens[:13], SamplingParams())
+    assert len(kv.find_cached_prefix(later)) == 3  # blocks 0-2, two of them freed but intact
+    kv.free(request)
+    assert kv.num_free_blocks == 11 and sorted(kv.free_blocks) == list(range(1, 12))
+    # A request holds at most the window's and a step's blocks (+1), or all of them without chunks.
+    assert kv.most_blocks_held(400, 8) == kv.blocks_needed(6 + 8) + 1
+    assert kv.most_blocks_held(400, None) == 100
