@@ -42,6 +42,7 @@ class LlamaArgs:
     tie_word_embeddings: bool
     attention_bias: bool
     hidden_act: str
+    sliding_window: int | None = None  # every layer's (Mistral); None: full attention
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> "LlamaArgs":
@@ -64,6 +65,7 @@ class LlamaArgs:
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=config.get("attention_bias", config.get("model_type") == "qwen2"),
             hidden_act=config.get("hidden_act", "silu"),
+            sliding_window=(config.get("sliding_window") or None) if config.get("use_sliding_window") is not False else None,
         )
 
 
@@ -137,6 +139,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
         self.scale = args.head_dim ** -0.5
+        self.sliding_window = args.sliding_window
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -144,7 +147,8 @@ class Attention(nn.Module):
         q, k = ops.rotary_embedding(q.view(-1, self.num_heads, self.head_dim),
                                     k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.o_proj(ops.paged_attention(q, k, v, kv_cache, meta, self.scale))
+        out = self.o_proj(ops.paged_attention(q, k, v, kv_cache, meta, self.scale,
+                                              sliding_window=self.sliding_window))
         return parallel_state.all_reduce(out, self.parallel)
 
 
