@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -104,7 +105,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Hugging Face's semantics for the options: with a sliding window the query at position i sees
     keys j with i - window < j <= i; a soft cap turns the scaled scores s into cap * tanh(s / cap)
     before the softmax. Every path takes both; blocks wholly before a token's window are never read."""
-    options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    options: dict[str, Any] = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if not _use_triton(query):
         return attention.paged_attention(query, key, value, kv_cache, meta, scale, **options)
     kernels = _triton()
