@@ -55,10 +55,6 @@ class LLMEngine:
         self.model_name = config.served_model_name or Path(self.model_path).name
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or self.model_path)
         model_limit = hf_config.get("max_position_embeddings", 2048)
-        window = hf_config.get("sliding_window")
-        if window and hf_config.get("use_sliding_window", True):
-            # Attention here is full, so stay where full and sliding-window attention agree.
-            model_limit = min(model_limit, window)
         if config.max_model_len is not None and config.max_model_len > model_limit:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({model_limit})")

@@ -27,12 +27,11 @@ import torch.distributed as dist
 from backend import cpu_ops, distributed, quantization
 from backend.attention import AttentionMetadata, PrefillSpan
 from backend.config import EngineConfig
-from backend.models.llama import LlamaArgs, LlamaForCausalLM, check_parallel
+from backend import models
 from backend.request import Request
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -63,10 +62,7 @@ def load_hf_config(model_path: str) -> dict:
     if not path.is_file():
         raise ValueError(f"model: {model_path!r} is not a Hugging Face model folder (no config.json)")
     config = json.loads(path.read_text())
-    architectures = set(config.get("architectures") or [])
-    if not architectures & SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"model: architecture {sorted(architectures)} is not supported "
-                         f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+    models.architecture(config)  # an unknown architecture fails here, naming the supported ones
     return config
 
 
@@ -96,12 +92,12 @@ class ModelRunner:
                  max_model_len: int, rank: int = 0) -> None:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.args = LlamaArgs.from_hf_config(hf_config)
+        self.args = models.model_args(hf_config)
         self.failure: str | None = None  # a worker rank died: every later step raises this
         self.on_failure: Callable[[str], None] | None = None
         self.workers: distributed.WorkerProcesses | None = None
         world_size = config.tensor_parallel_size * config.pipeline_parallel_size
-        check_parallel(self.args, config.tensor_parallel_size, config.pipeline_parallel_size)
+        models.check_parallel(self.args, config.tensor_parallel_size, config.pipeline_parallel_size)
         self.quantization = quantization.detect(hf_config, config.quantization, world_size)
         if world_size > 1 and rank == 0:
             if config.node_rank != 0:
@@ -122,7 +118,7 @@ class ModelRunner:
         try:
             self.parallel = distributed.init(config, rank, self.device, failure=lambda: self.failure)
             with torch.device("meta"):
-                model = LlamaForCausalLM(self.args, self.parallel)
+                model = models.build_model(self.args, self.parallel)
                 quantization.prepare(model, self.quantization, model_path, self.dtype)
         except BaseException:
             self.shutdown()

@@ -96,11 +96,17 @@ def linear_silu_and_mul(gate_up: torch.nn.Module, x: torch.Tensor) -> torch.Tens
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """Write the step's keys and values into the cache, then attend. query [T, H, D], key/value
-    [T, KVH, D], kv_cache [2, KVH, num_blocks, block_size, D]. Returns [T, H * D]."""
-    if not _use_triton(query):
-        return attention.paged_attention(query, key, value, kv_cache, meta, scale)
+    [T, KVH, D], kv_cache [2, KVH, num_blocks, block_size, D]. Returns [T, H * D].
+
+    Hugging Face's semantics for the options: with a sliding window the query at position i sees
+    keys j with i - window < j <= i; a soft cap turns the scaled scores s into cap * tanh(s / cap)
+    before the softmax. Either one runs the torch path for now, on every device."""
+    if not _use_triton(query) or sliding_window is not None or logits_soft_cap is not None:
+        return attention.paged_attention(query, key, value, kv_cache, meta, scale,
+                                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     kernels = _triton()
     key_cache, value_cache = attention.cache_views(kv_cache)
     kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)

@@ -1,0 +1,127 @@
+"""Every supported architecture against Hugging Face transformers: tiny random models built from
+transformers' own config classes, every parameter perturbed after init (norm weights and biases
+included, so a dropped term shows), greedy float32 tokens through the offline `LLM` identical to
+`generate`. Prompts run longer than the sliding windows, in chunks smaller than the prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend import LLM, SamplingParams
+
+VOCAB = 384
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3)
+WINDOW = 16  # shorter than the longer prompts
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def phi4_mini_rope(head_dim: int, partial: float) -> dict:
+    half = int(head_dim * partial) // 2
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [2.0 + 0.3 * i for i in range(half)],
+            "original_max_position_embeddings": 64}
+
+
+def family(name: str):
+    """(config, model class, attention implementation for the reference) for one test case."""
+    import transformers as t
+
+    cases = {
+        "llama-untied": (t.LlamaConfig, dict(head_dim=64, tie_word_embeddings=False)),
+        "llama-tied-bias": (t.LlamaConfig, dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
+        "llama3-rope": (t.LlamaConfig, dict(head_dim=64, rope_parameters=LLAMA3_ROPE)),
+        "mistral-window": (t.MistralConfig, dict(head_dim=64, sliding_window=WINDOW)),
+        "qwen2-yarn": (t.Qwen2Config, dict(rope_parameters=YARN_ROPE)),
+        "qwen3": (t.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
+        "gemma": (t.GemmaConfig, dict(head_dim=32)),
+        "gemma2": (t.Gemma2Config, dict(head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+        "gemma3": (t.Gemma3TextConfig, dict(head_dim=32, num_hidden_layers=3, sliding_window=WINDOW,
+                                            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                                             "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                                "rope_theta": 10000.0}})),
+        "phi3": (t.Phi3Config, dict(tie_word_embeddings=False, pad_token_id=0)),
+        "phi4-mini": (t.Phi3Config, dict(tie_word_embeddings=True, pad_token_id=0, original_max_position_embeddings=64,
+                                         rope_parameters=phi4_mini_rope(16, 0.75))),
+        "olmo2": (t.Olmo2Config, dict(attention_bias=True, pad_token_id=0)),
+        "granite": (t.GraniteConfig, dict(attention_bias=True, embedding_multiplier=3.0, attention_multiplier=0.2,
+                                          residual_multiplier=0.7, logits_scaling=2.5)),
+    }
+    config_class, options = cases[name]
+    config = config_class(**{**SHAPE, **options})
+    architecture = {"Gemma3TextConfig": "Gemma3ForCausalLM"}.get(config_class.__name__,
+                                                                   config_class.__name__.replace("Config", "ForCausalLM"))
+    return config, getattr(t, architecture)
+
+
+FAMILIES = ["llama-untied", "llama-tied-bias", "llama3-rope", "mistral-window", "qwen2-yarn", "qwen3", "gemma",
+            "gemma2", "gemma3", "phi3", "phi4-mini", "olmo2", "granite"]
+
+
+def tiny_model(name: str, path) -> torch.nn.Module:
+    """A random model of the family saved to path; the reference model in float32, eager attention."""
+    config, model_class = family(name)
+    torch.manual_seed(0)
+    model = model_class._from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            scale = 0.3 if param.dim() == 1 else 0.02  # norms and biases far from their init
+            param.add_(torch.randn_like(param) * scale)
+    model.eval().save_pretrained(path)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+PROMPTS = [[(7 * i + 3 * j) % (VOCAB - 3) + 3 for j in range(n)] for i, n in enumerate([6, 37])]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_matches_hf(tmp_path, name):
+    model = tiny_model(name, tmp_path)
+    # Chunks of 16 tokens: prompts longer than the window are prefilled across several steps.
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    max_tokens = 12
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    for output, prompt in zip(outputs, PROMPTS):
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, max_tokens), name
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    tiny_model("llama-untied", tmp_path)
+    config = (tmp_path / "config.json").read_text().replace("LlamaForCausalLM", "MambaForCausalLM")
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ValueError, match=r"MambaForCausalLM.*not supported.*Gemma2ForCausalLM.*Qwen3ForCausalLM"):
+        LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20)
+
+
+def test_longrope_past_the_original_context(tmp_path):
+    """Phi-4-mini's longrope switches to its long factors past original_max_position_embeddings
+    (64 here): positions from there on rotate with them, as Hugging Face's forward does with a KV
+    cache. (Hugging Face's `generate` instead recomputes the whole sequence with the long factors
+    once it crosses, which a paged cache does not; the tokens after the crossing differ from it.)"""
+    from transformers import DynamicCache
+
+    model = tiny_model("phi4-mini", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20)
+    prompt, max_tokens = PROMPTS[1] + PROMPTS[0] * 3, 30  # 55 + 30 positions: crosses 64
+    ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    cache, expected = DynamicCache(config=model.config), []
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt]), past_key_values=cache).logits[0, -1]
+        for position in range(len(prompt), len(prompt) + max_tokens):
+            expected.append(int(logits.argmax()))
+            logits = model(torch.tensor([[expected[-1]]]), past_key_values=cache,
+                           position_ids=torch.tensor([[position]])).logits[0, -1]
+    assert ours[0].outputs[0].token_ids == expected
