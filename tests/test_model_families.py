@@ -38,9 +38,9 @@ def family(name: str):
         "qwen2-yarn": (t.Qwen2Config, dict(rope_parameters=YARN_ROPE)),
         "qwen3": (t.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
         "gemma": (t.GemmaConfig, dict(head_dim=32)),
-        "gemma2": (t.Gemma2Config, dict(head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
-                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
-        "gemma3": (t.Gemma3TextConfig, dict(head_dim=32, num_hidden_layers=3, sliding_window=WINDOW,
+        "gemma2": (t.Gemma2Config, dict(head_dim=32, num_hidden_layers=3, sliding_window=WINDOW, query_pre_attn_scalar=8, initializer_range=0.05,
+                                         attn_logit_softcapping=0.5, final_logit_softcapping=1.0)),
+        "gemma3": (t.Gemma3TextConfig, dict(head_dim=32, num_hidden_layers=3, sliding_window=WINDOW, initializer_range=0.05,
                                             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                                                              "full_attention": {"rope_type": "linear", "factor": 2.0,
@@ -76,11 +76,13 @@ def tiny_model(name: str, path) -> torch.nn.Module:
     return model
 
 
-def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """Hugging Face's greedy tokens and each one's log-probability."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, [step[0].float().log_softmax(-1)[t].item() for step, t in zip(out.logits, tokens)]
 
 
 PROMPTS = [[(7 * i + 3 * j) % (VOCAB - 3) + 3 for j in range(n)] for i, n in enumerate([6, 37])]
@@ -93,9 +95,14 @@ def test_family_matches_hf(tmp_path, name):
     llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
               max_num_batched_tokens=16, max_num_seqs=4)
     max_tokens = 12
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1))
     for output, prompt in zip(outputs, PROMPTS):
-        assert output.outputs[0].token_ids == hf_greedy(model, prompt, max_tokens), name
+        completion = output.outputs[0]
+        tokens, logprobs = hf_greedy(model, prompt, max_tokens)
+        assert completion.token_ids == tokens, name
+        # Log-probabilities see what greedy tokens cannot: a final soft cap, Granite's logits scaling.
+        ours = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
+        assert ours == pytest.approx(logprobs, abs=1e-4), name
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
