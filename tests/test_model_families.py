@@ -37,6 +37,7 @@ def family(name: str):
         "mistral-window": (t.MistralConfig, dict(head_dim=64, sliding_window=WINDOW)),
         "qwen2-yarn": (t.Qwen2Config, dict(rope_parameters=YARN_ROPE)),
         "qwen3": (t.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
+        "qwen3-bias": (t.Qwen3Config, dict(head_dim=32, attention_bias=True)),
         "gemma": (t.GemmaConfig, dict(head_dim=32)),
         "gemma2": (t.Gemma2Config, dict(head_dim=32, num_hidden_layers=3, sliding_window=WINDOW, query_pre_attn_scalar=8, initializer_range=0.05,
                                          attn_logit_softcapping=0.5, final_logit_softcapping=1.0)),
@@ -103,6 +104,21 @@ def test_family_matches_hf(tmp_path, name):
         # Log-probabilities see what greedy tokens cannot: a final soft cap, Granite's logits scaling.
         ours = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
         assert ours == pytest.approx(logprobs, abs=1e-4), name
+
+
+@pytest.mark.parametrize("name", ["qwen3-bias", "phi3"])
+def test_tensor_parallel_family_matches_hf(tmp_path, name):
+    """tp=2 over gloo: per-head q/k norms replicated, q/k/v biases split with their heads, o_proj's
+    bias added once (rank 0's); Phi-3's fused qkv_proj / gate_up_proj split before sharding."""
+    model = tiny_model(name, tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
+              tensor_parallel_size=2)
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    for output, prompt in zip(outputs, PROMPTS):
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 8)[0], name
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
