@@ -26,7 +26,7 @@ def phi4_mini_rope(head_dim: int, partial: float) -> dict:
             "original_max_position_embeddings": 64}
 
 
-def family(name: str):
+def family(name: str, **overrides):
     """(config, model class, attention implementation for the reference) for one test case."""
     import transformers as t
 
@@ -54,7 +54,7 @@ def family(name: str):
                                           residual_multiplier=0.7, logits_scaling=2.5)),
     }
     config_class, options = cases[name]
-    config = config_class(**{**SHAPE, **options})
+    config = config_class(**{**SHAPE, **options, **overrides})
     architecture = {"Gemma3TextConfig": "Gemma3ForCausalLM"}.get(config_class.__name__,
                                                                    config_class.__name__.replace("Config", "ForCausalLM"))
     return config, getattr(t, architecture)
@@ -148,3 +148,100 @@ def test_longrope_past_the_original_context(tmp_path):
             logits = model(torch.tensor([[expected[-1]]]), past_key_values=cache,
                            position_ids=torch.tensor([[position]])).logits[0, -1]
     assert ours[0].outputs[0].token_ids == expected
+
+
+# -- GGUF ------------------------------------------------------------------------------------------------------
+GGUF_CASES = {  # family -> (llama.cpp architecture, our tiny shape's changes for what transformers' reader keeps)
+    "qwen3": ("qwen3", dict(head_dim=128, tie_word_embeddings=False)),  # its reader keeps Qwen3Config's head_dim
+    "gemma2": ("gemma2", dict(head_dim=32, sliding_window=WINDOW)),  # the default soft caps, query_pre_attn_scalar
+    "phi3": ("phi3", dict(tie_word_embeddings=False, pad_token_id=0)),
+}
+
+
+def byte_level_vocab() -> tuple[list[str], list[str]]:
+    """A GPT-2 style byte-level BPE vocabulary of VOCAB tokens: two specials, the 256 byte symbols,
+    then merges of letter pairs."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]  # GPT-2 shows them as chr(256 + n)
+    symbols = [chr(b) for b in printable] + [chr(256 + n) for n in range(len(others))]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    merges = [f"{a} {b}" for a in letters for b in letters][:VOCAB - 2 - len(symbols)]
+    return ["<|bos|>", "<|eos|>", *symbols, *(m.replace(" ", "") for m in merges)], merges
+
+
+def write_gguf(model, arch: str, path) -> None:
+    """The model as llama.cpp's converter writes it: gguf-py's own Hugging Face -> GGUF tensor
+    names, Gemma's norms + 1, 2-D weights in Q8_0 blocks, a small byte-level BPE tokenizer."""
+    import gguf
+    from gguf.quants import quantize
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if arch == "gemma2":
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    tokens, merges = byte_level_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t.startswith("<|") else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_pad_token_id(0)
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
+                                     config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.float().numpy()
+        if arch == "gemma2" and name.endswith("norm.weight"):
+            data = data + 1
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert target is not None, name
+        if data.ndim == 2 and data.shape[1] % 32 == 0:
+            writer.add_tensor(target, quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(target, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("name", list(GGUF_CASES))
+def test_gguf_family_matches_transformers(tmp_path, monkeypatch, name):
+    """A GGUF written with the gguf package from a tiny random model: the engine's tokens are those
+    of transformers' own GGUF loader (which dequantizes the Q8_0 blocks the engine runs as they are)."""
+    from transformers import AutoModelForCausalLM
+
+    from backend.quantization import gguf as engine_gguf
+
+    monkeypatch.setattr(engine_gguf, "cache_dir", lambda: tmp_path / "cache")
+    arch, options = GGUF_CASES[name]
+    config, model_class = family(name, **options)
+    torch.manual_seed(0)
+    model = model_class._from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * (0.3 if param.dim() == 1 else 0.02))
+    file = tmp_path / f"tiny-{name}.gguf"
+    write_gguf(model, arch, file)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=file.name, dtype=torch.float32).eval()
+    llm = LLM(str(file), dtype="float32", kv_cache_memory_bytes=4 << 20)
+    assert isinstance(llm.llm_engine.runner.model.layers[0].self_attn.qkv_proj, engine_gguf.GGUFLinear)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for output, prompt in zip(outputs, PROMPTS):
+        assert output.outputs[0].token_ids == hf_greedy(reference, prompt, 8)[0], name
