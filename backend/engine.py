@@ -11,10 +11,12 @@ import threading
 import time
 from pathlib import Path
 
-from backend.config import EngineConfig
+from backend.config import EngineConfig, resolve_limits
 from backend.kv_cache import KVCacheManager
 from backend.metrics import EngineMetrics
-from backend.model_runner import ModelRunner, load_hf_config, max_step_tokens
+from backend.model_loader import load_hf_config
+from backend.model_paths import resolve_model_path
+from backend.model_runner import ModelRunner
 from backend.output_processor import ChildState, ParentRequest, append_token, make_output
 from backend.detokenizer import IncrementalDetokenizer
 from backend.outputs import RequestOutput
@@ -50,19 +52,13 @@ class LLMEngine:
         # Step on the thread that builds the engine: see `_warn_thread`.
         self.built_on = threading.current_thread()
         self._warned_thread = False
-        self.model_path = config.resolved_model()
+        self.model_path = resolve_model_path(config.model)
         hf_config = load_hf_config(self.model_path)
         self.model_name = config.served_model_name or Path(self.model_path).name
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or self.model_path)
-        model_limit = hf_config.get("max_position_embeddings", 2048)
-        if config.max_model_len is not None and config.max_model_len > model_limit:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({model_limit})")
-        self.max_model_len = config.max_model_len or model_limit
-        max_batched = max_step_tokens(config, self.max_model_len)
-        if not config.enable_chunked_prefill and max_batched < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens: {max_batched} is smaller than max_model_len "
-                             f"({self.max_model_len}) while chunked prefill is off")
+        self.limits = resolve_limits(config, hf_config)
+        self.max_model_len = self.limits.max_model_len
+        max_batched = self.limits.max_num_batched_tokens
         self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len)
         self.vocab_size = self.runner.args.vocab_size
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,

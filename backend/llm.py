@@ -15,6 +15,10 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if model is None:  # the default model: fetched and converted on first use
+            from tools.prepare_model import prepare_model
+
+            model = str(prepare_model())
         self.llm_engine = LLMEngine(EngineConfig.from_dict({"model": model, **kwargs}))
         self._request_counter = itertools.count()
 

@@ -54,11 +54,8 @@ class Settings:
     def resolved(self) -> "Settings":
         model = self.model
         if model is None:
-            from tools.prepare_model import default_model_dir, is_prepared
-            if not is_prepared(default_model_dir()):
-                raise ValueError("model: no --model given and the default model is not prepared "
-                                 "(run `tritonllm prepare-model`)")
-            model = str(default_model_dir())
+            from backend.model_paths import prepared_default_model
+            model = str(prepared_default_model())
         model = str(Path(model).expanduser())
         if self.routing not in ROUTING:
             raise ValueError(f"routing: one of {', '.join(ROUTING)}, got {self.routing!r}")

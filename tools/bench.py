@@ -148,11 +148,12 @@ def _hf_model(args):
     from transformers import AutoModelForCausalLM
 
     from backend.config import EngineConfig
-    from backend.model_runner import resolve_device, resolve_dtype
+    from backend.model_loader import resolve_device, resolve_dtype
+    from backend.model_paths import resolve_model_path
 
     config = EngineConfig(model=args.model, dtype=args.dtype)
     dtype = resolve_dtype(config, resolve_device(config))
-    return AutoModelForCausalLM.from_pretrained(config.resolved_model(), dtype=dtype).eval(), torch
+    return AutoModelForCausalLM.from_pretrained(resolve_model_path(config.model), dtype=dtype).eval(), torch
 
 
 def run_hf_sequential(args, workload: Workload) -> dict:
@@ -526,8 +527,9 @@ def stop(process: subprocess.Popen) -> None:
 
 # -- report ----------------------------------------------------------------------------------------
 def resolved_model(args) -> str:
-    from backend.config import EngineConfig
-    return EngineConfig(model=args.model).resolved_model()
+    from backend.model_paths import resolve_model_path
+    from tools.prepare_model import prepare_model
+    return resolve_model_path(args.model) if args.model else str(prepare_model())
 
 
 def progress(total: int, label: str):

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from backend import distributed
+from backend import parallel_state
 from backend.attention import AttentionMetadata
-from backend.distributed import ParallelState
+from backend.parallel_state import ParallelState
 from backend.models.layers.activation import gated_activation
 from backend.models.layers.attention import Attention
 from backend.models.layers.norm import RMSNorm
@@ -62,11 +62,6 @@ class ModelArgs:
     embed_multiplier_in_dtype: bool = False
     residual_multiplier: float | None = None  # Granite: residual + block(x) * m
     logits_divisor: float | None = None  # Granite: logits / logits_scaling
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> "ModelArgs":
-        from backend.models import model_args  # the registry, which imports the families
-        return model_args(config)
 
     def rope_for_layer(self, layer_id: int) -> dict[str, Any]:
         sliding = bool(self.sliding_windows) and self.sliding_windows[layer_id] is not None
@@ -107,7 +102,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return distributed.all_reduce(self.down_proj(gated_activation(self.gate_up_proj, x, self.activation)),
+        return parallel_state.all_reduce(self.down_proj(gated_activation(self.gate_up_proj, x, self.activation)),
                                       self.parallel)
 
 
@@ -204,7 +199,7 @@ class CausalLM(nn.Module):
             local = input_ids - self.vocab_start
             mine = (local >= 0) & (local < self.vocab_per_rank)
             x = self.embed_tokens(local.clamp(0, self.vocab_per_rank - 1)) * mine.unsqueeze(-1)
-            x = distributed.all_reduce(x, self.parallel)
+            x = parallel_state.all_reduce(x, self.parallel)
         multiplier = self.args.embed_multiplier
         if multiplier is None:
             return x
@@ -232,7 +227,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [rows, vocab] on tensor rank 0 (None on the others)."""
-        logits = distributed.gather_last_dim(self.lm_head(hidden).float(), self.parallel)
+        logits = parallel_state.gather_last_dim(self.lm_head(hidden).float(), self.parallel)
         if logits is None:
             return None
         logits = logits[:, :self.args.vocab_size]

@@ -73,5 +73,3 @@ def granite(config: dict[str, Any]) -> ModelArgs:
 
 ARCHITECTURES = {"LlamaForCausalLM": llama, "MistralForCausalLM": llama, "Qwen2ForCausalLM": qwen2,
                  "Qwen3ForCausalLM": qwen3, "GraniteForCausalLM": granite}
-
-LlamaArgs = ModelArgs  # the name the speculative decoder imports (ModelArgs.from_hf_config reads any family)

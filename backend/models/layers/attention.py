@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend import distributed, ops
+from backend import ops, parallel_state
 from backend.attention import AttentionMetadata
-from backend.distributed import ParallelState
+from backend.parallel_state import ParallelState
 from backend.models.layers.norm import RMSNorm
 from backend.models.layers.rotary import apply_rotary
 
@@ -53,4 +53,4 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         out = ops.paged_attention(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
                                   logits_soft_cap=self.logits_soft_cap)
-        return distributed.all_reduce(self.o_proj(out), self.parallel)
+        return parallel_state.all_reduce(self.o_proj(out), self.parallel)
