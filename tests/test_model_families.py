@@ -64,9 +64,9 @@ FAMILIES = ["llama-untied", "llama-tied-bias", "llama3-rope", "mistral-window", 
             "gemma2", "gemma3", "phi3", "phi4-mini", "olmo2", "granite"]
 
 
-def tiny_model(name: str, path) -> torch.nn.Module:
+def tiny_model(name: str, path, **overrides) -> torch.nn.Module:
     """A random model of the family saved to path; the reference model in float32, eager attention."""
-    config, model_class = family(name)
+    config, model_class = family(name, **overrides)
     torch.manual_seed(0)
     model = model_class._from_config(config, attn_implementation="eager")
     with torch.no_grad():
@@ -148,6 +148,73 @@ def test_longrope_past_the_original_context(tmp_path):
             logits = model(torch.tensor([[expected[-1]]]), past_key_values=cache,
                            position_ids=torch.tensor([[position]])).logits[0, -1]
     assert ours[0].outputs[0].token_ids == expected
+
+
+# -- served: tritonllm serve (Triton's llm model and the OpenAI frontend) ------------------------------------
+@pytest.mark.parametrize("name", ["gemma2", "qwen3"])
+def test_served_family_answers_through_the_openai_sdk(tmp_path, model_path, name):
+    """`tritonllm serve --model DIR` on a tiny random model with SmolLM2's tokenizer and chat
+    template: a sliding-window family (Gemma 2, prompt longer than its window) and a full-attention
+    one (Qwen3) give the offline engine's greedy text, itself Hugging Face's tokens; chat answers."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from openai import OpenAI
+
+    from tools.prepare_embeddings import prepare_embeddings
+    from tools.triton_server import free_port
+
+    prepare_embeddings()  # the served repository holds the embeddings model too
+    folder = tmp_path / f"tiny-{name}"
+    model = tiny_model(name, folder, vocab_size=49152)
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(model_path) / file).is_file():
+            shutil.copy(Path(model_path) / file, folder / file)
+    prompt, max_tokens = PROMPTS[1], 8
+    offline = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+    assert expected.outputs[0].token_ids == hf_greedy(model, prompt, max_tokens)[0]
+    offline.shutdown()
+
+    ports = {key: free_port() for key in ("port", "http-port", "grpc-port", "metrics-port")}
+    command = [sys.executable, "-m", "tools.cli", "serve", "--model", str(folder), "--dtype", "float32",
+               "--kv-cache-memory-bytes", str(8 << 20), "--max-model-len", "256", "--workdir", str(tmp_path / "work"),
+               *(f"--{key}={port}" for key, port in ports.items())]
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{ports['port']}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        completion = client.completions.create(model=folder.name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        assert completion.choices[0].text == expected.outputs[0].text
+        assert completion.usage.prompt_tokens == len(prompt) and completion.usage.completion_tokens == max_tokens
+        chat = client.chat.completions.create(model=folder.name, max_tokens=4, temperature=0,
+                                              messages=[{"role": "user", "content": "Hi!"}])
+        assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.prompt_tokens > 3
+    finally:
+        process.send_signal(signal.SIGINT)  # serve stops the frontend, then Triton
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 # -- GGUF ------------------------------------------------------------------------------------------------------
