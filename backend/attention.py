@@ -21,7 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from backend import cpu_ops
-from backend.kernels.reference import causal_attention_reference, gather_blocks, paged_attention_decode_reference
+from backend.kernels.reference import (
+    causal_attention_reference,
+    gather_blocks,
+    paged_attention_decode_reference,
+)
 
 
 @dataclass

@@ -5,7 +5,8 @@ one by the `architectures` of a model's config.json. Every family is the dense d
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from backend.errors import EngineError
 from backend.models import gemma, llama, olmo2, phi3

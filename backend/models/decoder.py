@@ -23,11 +23,11 @@ from torch import nn
 
 from backend import parallel_state
 from backend.attention import AttentionMetadata
-from backend.parallel_state import ParallelState
 from backend.models.layers.activation import gated_activation
 from backend.models.layers.attention import Attention
 from backend.models.layers.norm import RMSNorm
 from backend.models.layers.rotary import rope_tables
+from backend.parallel_state import ParallelState
 
 LAYOUTS = ("pre", "sandwich", "post")
 
@@ -298,7 +298,7 @@ class CausalLM(nn.Module):
             if tensor.dim() == 1:  # a bias: added once, after the all-reduce sums the ranks
                 return tensor if rank == 0 else torch.zeros_like(tensor)
             return tensor.chunk(tp, dim=1)[rank]
-        if name.endswith("embed_tokens.weight") or name.endswith("lm_head.weight"):
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             padded = torch.zeros(self.vocab_per_rank * tp, tensor.shape[1], dtype=tensor.dtype)
             padded[:tensor.shape[0]] = tensor
             return padded[self.vocab_start:self.vocab_start + self.vocab_per_rank]

@@ -14,9 +14,9 @@ from torch import nn
 
 from backend import ops, parallel_state
 from backend.attention import AttentionMetadata
-from backend.parallel_state import ParallelState
 from backend.models.layers.norm import RMSNorm
 from backend.models.layers.rotary import apply_rotary
+from backend.parallel_state import ParallelState
 
 
 class Attention(nn.Module):

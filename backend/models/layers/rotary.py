@@ -28,11 +28,11 @@ def rope_parameters(config: dict[str, Any], layer_type: str | None = None) -> di
     way the config spells them (v5's `rope_parameters`, possibly per layer type; v4's `rope_theta`
     beside `rope_scaling`; Phi-3's top-level partial_rotary_factor and original context)."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if layer_type is not None and layer_type in params:
-        params = params[layer_type]
-    params = dict(params)
-    if "rope_theta" not in params or "rope_theta" in config:
-        params["rope_theta"] = config.get("rope_theta", params.get("rope_theta", 10000.0))
+    per_layer_type = layer_type is not None and layer_type in params
+    params = dict(params[layer_type] if per_layer_type else params)
+    if "rope_theta" in config and not per_layer_type:  # v4: the top-level base, rope_scaling beside it
+        params["rope_theta"] = config["rope_theta"]
+    params.setdefault("rope_theta", 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     for key in ("partial_rotary_factor", "original_max_position_embeddings"):
         if config.get(key) is not None and key not in params:
