@@ -312,3 +312,31 @@ def test_gguf_family_matches_transformers(tmp_path, monkeypatch, name):
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for output, prompt in zip(outputs, PROMPTS):
         assert output.outputs[0].token_ids == hf_greedy(reference, prompt, 8)[0], name
+
+
+# -- config.json as the hub's checkpoints spell it (transformers 4.x) -----------------------------------------
+V4_FORMS = {  # family -> (the v4 spelling's changes, the keys it drops)
+    "gemma3": ({"rope_theta": 10000.0, "rope_local_base_freq": 10.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                "sliding_window_pattern": 3}, ("rope_parameters", "layer_types")),
+    "gemma2": ({"rope_theta": 10000.0}, ("rope_parameters", "layer_types")),
+    "qwen2-yarn": ({"rope_theta": 10000.0, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                             "original_max_position_embeddings": 64}},
+                   ("rope_parameters",)),
+    "phi4-mini": ({"rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                   "rope_scaling": {k: v for k, v in phi4_mini_rope(16, 0.75).items()
+                                    if k not in ("rope_theta", "partial_rotary_factor")}}, ("rope_parameters",)),
+}
+
+
+@pytest.mark.parametrize("name", list(V4_FORMS))
+def test_v4_config_spelling_gives_the_same_model(name):
+    """RoPE bases, scaling and per-layer windows read from transformers 4.x's spelling (rope_theta
+    beside rope_scaling, rope_local_base_freq, sliding_window_pattern, no layer_types) equal those
+    of the v5 spelling the exactness tests use."""
+    from backend.models import model_args
+
+    config, model_class = family(name)
+    v5 = {**config.to_dict(), "architectures": [model_class.__name__]}
+    changes, dropped = V4_FORMS[name]
+    v4 = {**{k: v for k, v in v5.items() if k not in dropped}, **changes}
+    assert model_args(v4) == model_args(v5)

@@ -33,7 +33,8 @@ def rope_parameters(config: dict[str, Any], layer_type: str | None = None) -> di
     if "rope_theta" in config and not per_layer_type:  # v4: the top-level base, rope_scaling beside it
         params["rope_theta"] = config["rope_theta"]
     params.setdefault("rope_theta", 10000.0)
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = params.get("rope_type", params.pop("type", "default"))
+    params.pop("type", None)
     for key in ("partial_rotary_factor", "original_max_position_embeddings"):
         if config.get(key) is not None and key not in params:
             params[key] = config[key]
