@@ -102,8 +102,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return parallel_state.all_reduce(self.down_proj(gated_activation(self.gate_up_proj, x, self.activation)),
-                                      self.parallel)
+        out = self.down_proj(gated_activation(self.gate_up_proj, x, self.activation))
+        return parallel_state.all_reduce(out, self.parallel)
 
 
 class DecoderLayer(nn.Module):
