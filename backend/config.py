@@ -112,7 +112,7 @@ class EngineConfig:
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(values) - set(known))
         check(not unknown, None, f"unknown engine argument(s): {', '.join(unknown)}")
-        return cls(**{name: cast_value(name, known[name].type, value) for name, value in values.items()})
+        return cls(**{name: cast_value(name, str(known[name].type), value) for name, value in values.items()})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

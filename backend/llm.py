@@ -35,7 +35,7 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params: give one, or one per prompt")
-        order = {}
+        order: dict[str, int] = {}
         for prompt, params in zip(prompts, sampling_params):
             params = SamplingParams(**{**params.__dict__, "output_kind": RequestOutputKind.FINAL_ONLY})
             request_id = str(next(self._request_counter))

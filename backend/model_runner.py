@@ -151,7 +151,8 @@ class ModelRunner:
             input_ids, positions, meta = self._prepare(decodes, prefills)
             # Only a request whose step reaches its last known token samples the next one; one with
             # speculative drafts also gets a row for each of them, to verify it.
-            rows, offset = [], 0
+            rows: list[int] = []
+            offset = 0
             for request, n in decodes + prefills:
                 offset += n
                 num_drafts = len(request.spec_token_ids)
@@ -244,7 +245,7 @@ class ModelRunner:
         if self.failure is None and dist.is_initialized():
             try:
                 parallel_state.broadcast_plan(("stop",), self.parallel)
-            except Exception:  # noqa: BLE001 - a dead peer: the processes are ended below anyway
+            except Exception:  # a dead peer: the processes are ended below anyway
                 pass
         workers.stop()
         if dist.is_initialized():
@@ -283,7 +284,7 @@ class ModelRunner:
         prefill_tables = block_tables[len(decodes):]
         spans, query_starts = [], [0]
         offset = len(decodes)
-        for i, ((request, n), context_len) in enumerate(zip(prefills, prefill_lens)):
+        for i, ((_, n), context_len) in enumerate(zip(prefills, prefill_lens)):
             spans.append(PrefillSpan(offset, n, context_len, prefill_tables[i, :-(-context_len // block_size)]))
             offset += n
             query_starts.append(query_starts[-1] + n)

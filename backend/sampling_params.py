@@ -175,7 +175,7 @@ class SamplingParams:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         cast = {}
         for name, value in values.items():
-            type_name = known[name].type
+            type_name = str(known[name].type)
             if name in ("stop", "structured_outputs"):
                 cast[name] = value
             elif isinstance(value, str) and name == "stop_token_ids":

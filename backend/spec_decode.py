@@ -160,8 +160,8 @@ class SpeculativeDecoder:
         return verification_rows(requests)
 
     def verified(self, request: Request, num_accepted: int) -> None:
-        """After the accepted drafts and the target's own token were appended: the KV of every token
-        but the last is in place; blocks taken only for rejected drafts go back."""
+        """After sampling a decode with drafts: replay the seeded generator for the rows kept and
+        count the drafts (the scheduler's `update_from_output` counts the computed tokens)."""
         state = self.generator_states.pop(request.request_id, None)
         if state is not None:  # one draw per row kept (rows are drawn one by one, from one stream)
             request.generator.set_state(state)
@@ -170,10 +170,6 @@ class SpeculativeDecoder:
         self.metrics.registry.inc(self.metrics.spec_decode_num_drafts)
         self.metrics.registry.inc(self.metrics.spec_decode_num_draft_tokens, len(request.spec_token_ids))
         self.metrics.registry.inc(self.metrics.spec_decode_num_accepted_tokens, num_accepted)
-        request.spec_token_ids = []
-        request.num_computed_tokens = request.num_tokens - 1
-        self.kv_cache.cache_full_blocks(request)
-        self.kv_cache.trim(request, request.num_tokens)
 
     def finish(self, request: Request) -> None:
         self.proposer.finish(request)

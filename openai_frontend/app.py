@@ -26,7 +26,8 @@ from openai_frontend.routers import chat, completions, embeddings, models, syste
 EMBEDDINGS_MODEL_NAME = "all-MiniLM-L6-v2"
 DEFAULT_TRITON_URL = "127.0.0.1:8001"
 # Open without the API key: probes and scrapers. Everything else (every /v1 route) needs it.
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc"})
+PUBLIC_PATHS = frozenset({"/health", "/health/ready", "/health/live", "/version", "/metrics", "/openapi.json",
+                          "/docs", "/redoc"})
 logger = logging.getLogger(__name__)
 
 
@@ -50,6 +51,9 @@ class Settings:
     embeddings_model_name: str = EMBEDDINGS_MODEL_NAME
     log_requests: bool = False  # log prompts and completions (clients' data: off unless asked)
     tool_call_parser: str = "hermes"  # the model's tool-call format (openai_frontend/tool_parsers.py)
+    request_timeout: float | None = None  # seconds for a whole request (Triton cancels it past them); none
+    header_timeout: float = 10.0  # seconds a client has to send a request's headers
+    body_timeout: float = 30.0  # seconds a client has to send a request's body, once its headers are in
 
     def resolved(self) -> "Settings":
         model = self.model
@@ -59,6 +63,9 @@ class Settings:
         model = str(Path(model).expanduser())
         if self.routing not in ROUTING:
             raise ValueError(f"routing: one of {', '.join(ROUTING)}, got {self.routing!r}")
+        for name in ("request_timeout", "header_timeout", "body_timeout"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be positive seconds, got {getattr(self, name)}")
         if self.triton_urls_file is not None and not Path(self.triton_urls_file).is_file():
             raise ValueError(f"triton_urls_file: {self.triton_urls_file} is not a file")
         for url in self.triton_urls():
@@ -79,7 +86,8 @@ class Frontend:
         self.settings = settings
         self.prompts = PromptBuilder(settings.model, settings.tokenizer, settings.max_model_len)
         # Connected inside the event loop (lifespan); TritonClient's calls, routed.
-        self.triton = Replicas(settings.triton_urls(), settings.routing, settings.triton_urls_file)
+        self.triton = Replicas(settings.triton_urls(), settings.routing, settings.triton_urls_file,
+                               settings.request_timeout)
         self.metrics = FrontendMetrics(self.triton)
         self.started = int(time.time())
 

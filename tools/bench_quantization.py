@@ -49,7 +49,7 @@ def main() -> int:
 
     from backend.model_paths import resolve_model_path
     from tools.prepare_model import prepare_model
-    from tools.bench_workloads import make_workload
+    from tools.bench.workloads import make_workload
 
     model = resolve_model_path(args.model) if args.model else str(prepare_model())
     workload = make_workload("fixed", AutoTokenizer.from_pretrained(model), args.num_prompts,
