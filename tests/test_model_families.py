@@ -70,7 +70,7 @@ def tiny_model(name: str, path, **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
     model = model_class._from_config(config, attn_implementation="eager")
     with torch.no_grad():
-        for param_name, param in model.named_parameters():
+        for param in model.parameters():
             scale = 0.3 if param.dim() == 1 else 0.02  # norms and biases far from their init
             param.add_(torch.randn_like(param) * scale)
     model.eval().save_pretrained(path)
@@ -151,11 +151,10 @@ def test_longrope_past_the_original_context(tmp_path):
 
 
 # -- served: tritonllm serve (Triton's llm model and the OpenAI frontend) ------------------------------------
-@pytest.mark.parametrize("name", ["gemma2", "qwen3"])
-def test_served_family_answers_through_the_openai_sdk(tmp_path, model_path, name):
-    """`tritonllm serve --model DIR` on a tiny random model with SmolLM2's tokenizer and chat
-    template: a sliding-window family (Gemma 2, prompt longer than its window) and a full-attention
-    one (Qwen3) give the offline engine's greedy text, itself Hugging Face's tokens; chat answers."""
+@pytest.fixture
+def serve(request, tmp_path, model_path):
+    """`tritonllm serve --model DIR` on a tiny random model of the family `request.param`, with
+    SmolLM2's tokenizer and chat template: yields (frontend URL, model folder, reference model)."""
     import shutil
     import signal
     import subprocess
@@ -164,23 +163,15 @@ def test_served_family_answers_through_the_openai_sdk(tmp_path, model_path, name
     import urllib.request
     from pathlib import Path
 
-    from openai import OpenAI
-
     from tools.prepare_embeddings import prepare_embeddings
     from tools.triton_server import free_port
 
     prepare_embeddings()  # the served repository holds the embeddings model too
-    folder = tmp_path / f"tiny-{name}"
-    model = tiny_model(name, folder, vocab_size=49152)
+    folder = tmp_path / f"tiny-{request.param}"
+    model = tiny_model(request.param, folder, vocab_size=49152)
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (Path(model_path) / file).is_file():
             shutil.copy(Path(model_path) / file, folder / file)
-    prompt, max_tokens = PROMPTS[1], 8
-    offline = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=8 << 20)
-    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
-    assert expected.outputs[0].token_ids == hf_greedy(model, prompt, max_tokens)[0]
-    offline.shutdown()
-
     ports = {key: free_port() for key in ("port", "http-port", "grpc-port", "metrics-port")}
     command = [sys.executable, "-m", "tools.cli", "serve", "--model", str(folder), "--dtype", "float32",
                "--kv-cache-memory-bytes", str(8 << 20), "--max-model-len", "256", "--workdir", str(tmp_path / "work"),
@@ -200,14 +191,7 @@ def test_served_family_answers_through_the_openai_sdk(tmp_path, model_path, name
                 pass
             assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
             time.sleep(0.5)
-        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
-        completion = client.completions.create(model=folder.name, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                               extra_body={"ignore_eos": True})
-        assert completion.choices[0].text == expected.outputs[0].text
-        assert completion.usage.prompt_tokens == len(prompt) and completion.usage.completion_tokens == max_tokens
-        chat = client.chat.completions.create(model=folder.name, max_tokens=4, temperature=0,
-                                              messages=[{"role": "user", "content": "Hi!"}])
-        assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.prompt_tokens > 3
+        yield url, folder, model
     finally:
         process.send_signal(signal.SIGINT)  # serve stops the frontend, then Triton
         try:
@@ -215,6 +199,29 @@ def test_served_family_answers_through_the_openai_sdk(tmp_path, model_path, name
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.mark.parametrize("serve", ["gemma2", "qwen3"], indirect=True)
+def test_served_family_answers_through_the_openai_sdk(serve):
+    """A sliding-window family (Gemma 2, a prompt longer than its window) and a full-attention one
+    (Qwen3) served: the OpenAI SDK gets the offline engine's greedy text, whose tokens are Hugging
+    Face's; chat (the tokenizer's template) answers."""
+    from openai import OpenAI
+
+    url, folder, model = serve
+    prompt, max_tokens = PROMPTS[1], 8
+    offline = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+    offline.shutdown()
+    assert expected.outputs[0].token_ids == hf_greedy(model, prompt, max_tokens)[0]
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    completion = client.completions.create(model=folder.name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert completion.choices[0].text == expected.outputs[0].text
+    assert completion.usage.prompt_tokens == len(prompt) and completion.usage.completion_tokens == max_tokens
+    chat = client.chat.completions.create(model=folder.name, max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "Hi!"}])
+    assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.prompt_tokens > 3
 
 
 # -- GGUF ------------------------------------------------------------------------------------------------------
