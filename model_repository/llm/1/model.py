@@ -32,7 +32,7 @@ import triton_python_backend_utils as pb_utils
 try:
     from backend import AsyncLLMEngine, EngineConfig, RequestOutput
     from backend.async_engine import EngineDeadError, EngineOverloadedError
-    from backend.errors import parse_wire
+    from backend.errors import ENGINE_OVERLOADED, MODEL_UNAVAILABLE, EngineError, parse_wire
 except ImportError as error:  # the stub runs an isolated Python: PYTHONPATH does not count
     raise ImportError("tritonllm's `backend` package is not importable by Triton's Python stub; "
                       "install it into the Python that runs tritonserver (pip install -e .)") from error
@@ -130,15 +130,21 @@ class TritonPythonModel:
             self.outbox.put((job, self._triton_error(error)))
 
     def _triton_error(self, error: Exception):
-        """A refused request's error: the client's mistake, too much load, or ours."""
-        if isinstance(error, EngineOverloadedError):  # Triton's own queue-full error is UNAVAILABLE too
-            return pb_utils.TritonError(str(error), pb_utils.TritonError.UNAVAILABLE)
+        """A refused request's error: the client's mistake, too much load, or ours. Errors a client
+        can act on carry their code and parameter (backend/errors.py's wire form) for the frontend."""
         if isinstance(error, EngineDeadError):
             self._on_engine_failure(str(error))
             return pb_utils.TritonError("the engine has failed; the model is unavailable",
                                         pb_utils.TritonError.UNAVAILABLE)
-        if isinstance(error, ValueError):
-            return pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
+        if isinstance(error, EngineOverloadedError):
+            error = EngineError(None, str(error), ENGINE_OVERLOADED)
+        elif isinstance(error, ValueError) and not isinstance(error, EngineError):
+            error = EngineError(None, str(error))
+        if isinstance(error, EngineError):
+            # UNAVAILABLE when the load is to blame, as for Triton's own queue-full error.
+            status = (pb_utils.TritonError.UNAVAILABLE if error.code in (ENGINE_OVERLOADED, MODEL_UNAVAILABLE)
+                      else pb_utils.TritonError.INVALID_ARG)
+            return pb_utils.TritonError(error.wire(), status)
         pb_utils.Logger.log_error(f"[llm] request failed: {traceback.format_exc()}")
         return pb_utils.TritonError(f"internal error: {type(error).__name__}", pb_utils.TritonError.INTERNAL)
 
