@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 from backend.config import EngineConfig
+from backend.errors import check
 from backend.kv_cache import KVCacheManager
+from backend.lora import LoRARequest
 from backend.metrics import EngineMetrics
 from backend.model_runner import ModelRunner, load_hf_config, max_step_tokens
 from backend.output_processor import ChildState, ParentRequest, append_token, make_output
@@ -73,7 +75,7 @@ class LLMEngine:
                                        config.enable_prefix_caching, self.runner.num_swap_blocks)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, max_batched,
                                    config.enable_chunked_prefill, config.preemption_mode,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, config.max_loras if config.enable_lora else None)
         self.sampler = Sampler(config.seed)
         self.metrics = EngineMetrics()
         self.spec = None if config.speculative_config is None else SpeculativeDecoder(
@@ -97,17 +99,21 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     *, arrival_time: float | None = None, cache_salt: str | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         """Validate and queue a request; raises ValueError with a clear message if it can never run."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.enqueue(self.process_request(request_id, prompt, params, arrival_time=arrival_time,
-                                          cache_salt=cache_salt, priority=priority))
+                                          cache_salt=cache_salt, priority=priority, lora_request=lora_request))
 
     def process_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                         *, arrival_time: float | None = None, cache_salt: str | None = None,
-                        priority: int = 0) -> ParentRequest:
+                        priority: int = 0, lora_request: LoRARequest | None = None) -> ParentRequest:
         """Tokenize and validate without touching engine state (safe from any thread)."""
+        if lora_request is not None:
+            check(isinstance(lora_request, LoRARequest), "lora_request", "must be a LoRARequest", lora_request)
+            check(self.runner.lora is not None, "lora_request", "LoRA adapters need enable_lora")
+            self.runner.lora.check(lora_request)
         params = copy.copy(params or SamplingParams())
         params.validate_for_model(self.vocab_size)
         prompt_text, prompt_ids = self.tokenize(prompt)
@@ -141,7 +147,7 @@ class LLMEngine:
                 child_id = f"{index}_{request_id}"
             request = Request(child_id, prompt_text, prompt_ids, child_params, index=index,
                               parent_id=request_id, cache_salt=cache_salt, priority=priority,
-                              arrival_time=arrival_time)
+                              arrival_time=arrival_time, lora_request=lora_request)
             if grammar is not None:
                 request.grammar = RequestGrammar(grammar)
             detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)

@@ -7,6 +7,8 @@ from typing import Any, Sequence
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
+from backend.errors import EngineError
+from backend.lora import LoRARequest
 from backend.outputs import RequestOutput
 from backend.sampling_params import RequestOutputKind, SamplingParams
 
@@ -23,20 +25,26 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; outputs come back in the prompts' order."""
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs come back in the prompts' order.
+        lora_request: one adapter for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params: give one, or one per prompt")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise EngineError("lora_request", "give one, or one per prompt")
         order = {}
-        for prompt, params in zip(prompts, sampling_params):
+        for prompt, params, lora in zip(prompts, sampling_params, lora_request):
             params = SamplingParams(**{**params.__dict__, "output_kind": RequestOutputKind.FINAL_ONLY})
             request_id = str(next(self._request_counter))
             order[request_id] = len(order)
-            self.llm_engine.add_request(request_id, prompt, params)
+            self.llm_engine.add_request(request_id, prompt, params, lora_request=lora)
         return self._run(order, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from backend import cpu_ops, distributed, quantization
 from backend.attention import AttentionMetadata, PrefillSpan
 from backend.config import EngineConfig
+from backend.lora.layers import LoRABatch, LoRAModel
 from backend.models.llama import LlamaArgs, LlamaForCausalLM, check_parallel
 from backend.request import Request
 
@@ -89,6 +90,7 @@ class StepPlan:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: list[int]
+    lora: LoRABatch | None = None  # the tokens of each adapter, when LoRA is on
 
 
 class ModelRunner:
@@ -135,6 +137,8 @@ class ModelRunner:
         quantization.quantize_loaded(self.model, self.quantization)  # before pack_linears: not nn.Linear then
         if self.device.type == "cpu":
             cpu_ops.pack_linears(self.model, config.max_num_seqs)
+        # Wraps the projections (after packing, around the packed ones); before the KV cache is sized.
+        self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         attention = self.model.layers[0].self_attn
         self.num_kv_heads, self.num_layers = attention.num_kv_heads, len(self.model.layers)
         self.num_blocks = self._num_blocks()
@@ -156,7 +160,8 @@ class ModelRunner:
             self.swap_caches = [torch.zeros(swap_shape, dtype=self.kv_cache_dtype, pin_memory=pin)
                                 for _ in range(self.num_layers)]
         self.cuda_graphs = None
-        if self.device.type == "cuda" and self.parallel.world_size == 1:
+        if self.device.type == "cuda" and self.parallel.world_size == 1 and self.lora is None:
+            # (LoRA steps run eagerly: a graph would freeze one step's token-to-adapter segments.)
             from backend.cuda_graphs import CudaGraphs  # GPU only: never imported on the CPU
 
             self.cuda_graphs = CudaGraphs(self.model, self.kv_caches, cuda_graph_batch_sizes(config.max_num_seqs),
@@ -223,6 +228,9 @@ class ModelRunner:
         for batch in micro_batches(scheduled, self.parallel.pp_size):
             decodes = [(r, n) for r, n in batch if n == 1 and r.num_computed_tokens > 0]
             prefills = [(r, n) for r, n in batch if not (n == 1 and r.num_computed_tokens > 0)]
+            lora_batch = None
+            if self.lora is not None:
+                decodes, prefills, lora_batch = self._lora_layout(decodes, prefills)
             input_ids, positions, meta = self._prepare(decodes, prefills)
             # Only a request whose step reaches its last known token samples the next one; one with
             # speculative drafts also gets a row for each of them, to verify it.
@@ -233,7 +241,7 @@ class ModelRunner:
                 if request.num_computed_tokens + n == request.num_tokens + num_drafts:
                     rows.extend(range(offset - 1 - num_drafts, offset))
                     sample_requests.append(request)
-            plans.append(StepPlan(input_ids, positions, meta, rows))
+            plans.append(StepPlan(input_ids, positions, meta, rows, lora_batch))
         if self.parallel.world_size > 1:
             distributed.broadcast_plan(("step", plans), self.parallel)
         logits = self._run(plans)
@@ -241,11 +249,25 @@ class ModelRunner:
             return torch.empty(0, self.args.vocab_size), []
         return logits.cpu(), sample_requests
 
+    def _lora_layout(self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]):
+        """Load the step's adapters into slots and order the decodes, then the prefills, by slot,
+        so that each adapter's tokens form one run (a segment) in each: (decodes, prefills, LoRABatch)."""
+        slot_of = self.lora.activate([r.lora_request for r, _ in decodes + prefills if r.lora_request is not None])
+
+        def slot(item: tuple[Request, int]) -> int:
+            lora = item[0].lora_request
+            return -1 if lora is None else slot_of[lora.lora_int_id]
+
+        decodes, prefills = sorted(decodes, key=slot), sorted(prefills, key=slot)
+        return decodes, prefills, LoRABatch.build([(n, slot((r, n))) for r, n in decodes + prefills], self.device)
+
     def _run(self, plans: list[StepPlan]) -> torch.Tensor | None:
         """This rank's part of a step; on rank 0, the sampled rows' logits of all micro-batches."""
         parallel, model = self.parallel, self.model
         logits, sends = [], []
         for plan in plans:
+            if self.lora is not None:
+                self.lora.context.batch = plan.lora
             hidden = residual = None
             if not parallel.is_first_stage:  # the previous stage's output for this micro-batch
                 shape = (len(plan.positions), self.args.hidden_size)

@@ -18,7 +18,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if f.type.startswith("bool"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            group.add_argument(flag, default=None, metavar=f.name.upper(),
+            group.add_argument(flag, default=None, metavar=f.name.upper(), nargs=f.metadata.get("nargs"),
                                help=f"{help_text} (default: {f.default if f.default is not MISSING else None})")
 
 
