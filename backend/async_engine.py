@@ -71,12 +71,13 @@ class AsyncLLMEngine:
 
     # -- any thread -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    on_output: OutputCallback, *, cache_salt: str | None = None, priority: int = 0) -> None:
+                    on_output: OutputCallback, *, cache_salt: str | None = None, priority: int = 0,
+                    lora_request=None) -> None:
         if self.errored or self._stopping:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         self._refuse_if_full()  # before tokenizing: refusing must stay cheap under overload
         parent = self.engine.process_request(request_id, prompt, params, cache_salt=cache_salt,
-                                             priority=priority)
+                                             priority=priority, lora_request=lora_request)
         with self._wakeup:
             if request_id in self._callbacks:
                 raise ValueError(f"request_id {request_id!r} is already in use")

@@ -46,6 +46,11 @@ def eos_token_ids(model_path: str, hf_config: dict) -> set[int]:
     return set(ids) if isinstance(ids, list) else {ids}
 
 
+def lora_names(requests: list[Request]) -> str:
+    """The adapters of these requests, comma-separated (vllm:lora_requests_info's label form)."""
+    return ",".join(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -77,7 +82,7 @@ class LLMEngine:
                                    config.enable_chunked_prefill, config.preemption_mode,
                                    config.scheduling_policy, config.max_loras if config.enable_lora else None)
         self.sampler = Sampler(config.seed)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(config.enable_lora)
         self.spec = None if config.speculative_config is None else SpeculativeDecoder(
             config, self.runner, self.kv_cache, self.metrics, self.max_model_len)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
@@ -85,6 +90,7 @@ class LLMEngine:
         self.parents: dict[str, ParentRequest] = {}
         self.held_siblings: dict[str, list[ChildState]] = {}  # n > 1: samples not yet queued
         self.children: dict[str, tuple[ParentRequest, ChildState]] = {}
+        self._update_gauges()  # vllm:lora_requests_info's labels from the start
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -298,6 +304,12 @@ class LLMEngine:
         registry.set(m.num_requests_running, len(self.scheduler.running))
         registry.set(m.num_requests_waiting, len(self.scheduler.waiting))
         registry.set(m.kv_cache_usage_perc, self.kv_cache.usage)
+        if m.lora_requests_info is not None:
+            labels = {"running_lora_adapters": lora_names(self.scheduler.running),
+                      "waiting_lora_adapters": lora_names(self.scheduler.waiting),
+                      "max_lora": str(self.config.max_loras)}
+            if labels != m.lora_requests_info.labels:
+                registry.set_info(m.lora_requests_info, labels, time.time())
 
     def get_metrics(self):
         return self.metrics.registry.snapshot()

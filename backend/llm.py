@@ -49,7 +49,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
-             chat_template: str | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+             chat_template: str | None = None, use_tqdm: bool = False,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Render each conversation with the tokenizer's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
@@ -58,7 +59,7 @@ class LLM:
                    for conversation in conversations]
         # The template already holds the special tokens; don't let the tokenizer add a BOS twice.
         token_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-        outputs = self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(token_ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         for output, prompt in zip(outputs, prompts):
             output.prompt = prompt
         return outputs

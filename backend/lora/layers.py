@@ -8,9 +8,9 @@ checkpoint does; `model.FUSED` maps q/k/v (gate/up) to slices of the fused outpu
 `model.local_name` maps checkpoint names to the model's own.
 
 A wrapped layer holds, per slot, A as [slices * max_lora_rank, in] and B as [out, slices * max_lora_rank]:
-each slice of a fused output takes its own rank block (B is block-diagonal), smaller ranks are
-zero-padded and the scaling is folded into B. So one shrink and one expand per adapter serve q, k
-and v at once.
+each slice of a fused output takes its own block of rank columns (B is block-diagonal), packed from
+column 0, the rest zero; the scaling is folded into B. So one shrink and one expand per adapter serve
+q, k and v at once, and the CPU path multiplies by the columns in use only.
 """
 
 from __future__ import annotations
@@ -73,12 +73,17 @@ class LoRAContext:
 
 
 def add_lora_reference(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                       batch: LoRABatch) -> None:
+                       batch: LoRABatch, slot_weights: list | None = None) -> None:
     """out[t] += B[slot] @ (A[slot] @ x[t]) for every token of every segment; the CPU path (a loop
-    over the step's few segments, none over tokens) and the Triton kernel's reference."""
+    over the step's few segments, none over tokens) and the Triton kernel's reference.
+    slot_weights: per slot, (A^T, B^T) cut to the ranks in use, or None where the slot's adapter
+    leaves this layer alone (LoRALinear keeps them, sparing a few ops and the zero padding)."""
+    if slot_weights is None:
+        slot_weights = [(a.T, b.T) for a, b in zip(lora_a, lora_b)]
     for start, end, slot in batch.segments:
-        shrunk = x[start:end] @ lora_a[slot].T
-        out[start:end].addmm_(shrunk, lora_b[slot].T)
+        weights = slot_weights[slot]
+        if weights is not None:
+            out[start:end].addmm_(x[start:end] @ weights[0], weights[1])
 
 
 class LoRALinear(nn.Module):
@@ -100,24 +105,32 @@ class LoRALinear(nn.Module):
                                                    device=weight.device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, ranks, dtype=dtype,
                                                    device=weight.device), persistent=False)
+        # Per slot: the ranks in use (slices' blocks packed from column 0), and the CPU path's views.
+        self.ranks_used = [0] * max_loras
+        self.slot_weights: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * max_loras
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         batch = self.context.batch
         if batch is not None:
-            ops.add_lora(out, x, self.lora_a, self.lora_b, batch)
+            ops.add_lora(out, x, self.lora_a, self.lora_b, batch, self.slot_weights)
         return out
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.ranks_used[slot] = 0
+        self.slot_weights[slot] = None
 
     def set_slice(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
-        rank = a.shape[0]
+        """Slice `index` of the output gets A [r, in] and B * scaling [slice out, r], in the next r
+        rank columns of the slot."""
+        start, rank = self.ranks_used[slot], a.shape[0]
         offset = sum(self.output_sizes[:index])
-        ranks = slice(index * self.max_rank, index * self.max_rank + rank)
-        self.lora_a[slot, ranks].copy_(a)
-        self.lora_b[slot, offset:offset + self.output_sizes[index], ranks].copy_(b.float() * scaling)
+        self.lora_a[slot, start:start + rank].copy_(a)
+        self.lora_b[slot, offset:offset + self.output_sizes[index], start:start + rank].copy_(b.float() * scaling)
+        used = self.ranks_used[slot] = start + rank
+        self.slot_weights[slot] = (self.lora_a[slot, :used].T, self.lora_b[slot, :, :used].T)
 
 
 def output_sizes(parent: nn.Module, name: str, module: nn.Module, fused: dict) -> list[int]:
