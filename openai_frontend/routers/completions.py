@@ -44,7 +44,7 @@ def completion_logprobs(entries: list[list[TokenLogprob]], offset: int) -> Compl
              responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}})
 async def create_completion(body: CompletionRequest, raw_request: Request):
     frontend = raw_request.app.state.frontend
-    frontend.check_llm_model(body.model)
+    adapter = frontend.check_llm_model(body.model)  # {} or the LoRA adapter's sampling parameters
     include_usage = check_stream_options(body)
     if body.echo and body.logprobs is not None:
         raise invalid("echo", "echo: prompt logprobs are not supported; drop echo or logprobs")
@@ -56,7 +56,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
     structured = structured_outputs(body)
     parameters = [sampling_parameters(body, logprobs=body.logprobs, vocab_size=frontend.prompts.vocab_size,
                                       max_tokens=frontend.prompts.max_tokens_for(len(ids), body.max_tokens, "prompt"),
-                                      structured=structured)
+                                      structured=structured) | adapter
                   for ids in prompts]
     echoes = [p if isinstance(p, str) else frontend.prompts.decode(p) for p in items] if body.echo else None
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())

@@ -21,9 +21,10 @@ FLOAT_PARAMETERS = ("temperature", "top_p", "min_p", "presence_penalty", "freque
 MAX_LOGIT_BIAS = 100.0  # OpenAI's and vLLM's bound
 
 
-def parse_request(request) -> tuple[str | list[int], SamplingParams, dict[str, bool], str | None]:
+def parse_request(request) -> tuple[str | list[int], SamplingParams, dict[str, bool], str | None, dict]:
     """Read the request's tensors and parameters; raise ValueError naming what is wrong.
-    Returns the prompt, the sampling parameters, the flags and the cache salt (tenant isolation)."""
+    Returns the prompt, the sampling parameters, the flags, the cache salt (tenant isolation) and the
+    LoRA adapter asked for ({"lora_name": ..., "lora_path": ...}, each optional; empty for the base)."""
     # The HTTP generate endpoint carries its "parameters" object here; gRPC clients usually send
     # the sampling_parameters tensor instead. Flags may come either way; tensors win.
     try:
@@ -70,9 +71,13 @@ def parse_request(request) -> tuple[str | list[int], SamplingParams, dict[str, b
     cache_salt = values.pop("cache_salt", None)
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise ValueError(f"cache_salt: must be a string, got {cache_salt!r}")
+    lora = {key: values.pop(key) for key in ("lora_name", "lora_path") if key in values}
+    for key, value in lora.items():
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{key}: must be a non-empty string, got {value!r}")
     params = sampling_params(values)
     params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-    return prompt, params, flags, cache_salt
+    return prompt, params, flags, cache_salt, lora
 
 
 def utf8(value, name: str) -> str:

@@ -2,7 +2,9 @@
 
 The engine keeps cumulative readings; Triton's metrics only move forward (counters increment,
 histograms observe), so each update applies the difference since the previous reading. Counters
-get Prometheus' `_total` suffix, as vLLM exports them: `vllm:prompt_tokens_total`.
+get Prometheus' `_total` suffix, as vLLM exports them: `vllm:prompt_tokens_total`. An info gauge
+(`vllm:lora_requests_info`) carries its reading's labels: when they change, its series is replaced
+by one with the new labels.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ class MetricsExporter:
         self.families = {}
         self.metrics = {}
         self.previous = {}
+        self.labels = labels
         # pb_utils gains MetricFamily only once the stub runs, so look the kinds up here.
         kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
                  "histogram": pb_utils.MetricFamily.HISTOGRAM}
@@ -39,6 +42,10 @@ class MetricsExporter:
             if metric is None:
                 continue
             before = self.previous[reading.name]
+            if reading.labels and (before is None or before.labels != reading.labels):
+                del self.metrics[reading.name]  # drop the old series before making the new one
+                metric = self.metrics[reading.name] = self.families[reading.name].Metric(
+                    labels={**self.labels, **reading.labels})
             if reading.kind == "gauge":
                 metric.set(reading.value)
             elif reading.kind == "counter":
