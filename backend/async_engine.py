@@ -4,8 +4,10 @@ Callers in any thread validate and tokenize their request on the spot (errors ra
 hand it to the engine thread through a command queue; the engine thread steps and calls each
 request's `on_output` with every new output, the last one marked finished.
 
-Overload: at most `max_waiting_requests` samples wait for a slot; past that, `add_request` raises
-EngineOverloadedError at once, before tokenizing anything.
+Overload: at most `max_waiting_requests` samples wait for a run slot beyond the `max_num_seqs` that
+run (free run slots count: a burst into an idle engine fills them first). Past that, `add_request`
+raises EngineOverloadedError (code `engine_overloaded`) at once, before tokenizing anything; a request
+whose n alone can never fit is an `invalid_parameter` EngineError on `n`.
 
 Faults: if a step raises, the requests it may have left half-updated (running, holding KV blocks)
 get a final output carrying the error and are dropped; requests that were only queued carry on.
@@ -24,14 +26,13 @@ from typing import AsyncIterator, Callable
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
+from backend.errors import ENGINE_OVERLOADED, EngineError, check, parse_wire
 from backend.outputs import RequestOutput
-from backend.request import RequestStatus
 from backend.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-OutputCallback = Callable[[RequestOutput], None]
-QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)  # no blocks, nothing half-computed
+OutputCallback = Callable[[RequestOutput], object]
 
 
 class RequestFailedError(RuntimeError):
@@ -42,12 +43,16 @@ class EngineDeadError(RequestFailedError):
     """The engine has stopped for good; the server should report itself unhealthy."""
 
 
-class EngineOverloadedError(RuntimeError):
+class EngineOverloadedError(EngineError):
     """The waiting queue is full; the request was refused untouched and may be retried."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, message, ENGINE_OVERLOADED)
 
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        self.max_num_seqs = config.max_num_seqs
         self.max_waiting_requests = config.max_waiting_requests
         self.errored = False
         self.error: BaseException | None = None
@@ -55,6 +60,7 @@ class AsyncLLMEngine:
         self._callbacks: dict[str, OutputCallback] = {}
         self._commands: deque = deque()
         self._num_waiting = 0  # samples queued in the engine or on their way to it
+        self._num_running = 0  # samples in the engine's running batch
         self._wakeup = threading.Condition()
         self._stopping = False
         self._built = threading.Event()
@@ -75,23 +81,32 @@ class AsyncLLMEngine:
                     lora_request=None) -> None:
         if self.errored or self._stopping:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
-        self._refuse_if_full()  # before tokenizing: refusing must stay cheap under overload
+        self._admit(params.n)  # before tokenizing: refusing must stay cheap under overload
         parent = self.engine.process_request(request_id, prompt, params, cache_salt=cache_salt,
                                              priority=priority, lora_request=lora_request)
         with self._wakeup:
-            if request_id in self._callbacks:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self._refuse_if_full()
+            check(request_id not in self._callbacks, "request_id", "is already in use", request_id)
+            self._admit(len(parent.children))
             self._callbacks[request_id] = on_output
             self._commands.append(("add", parent))
             self._num_waiting += len(parent.children)
             self._wakeup.notify()
 
-    def _refuse_if_full(self) -> None:
+    def _admit(self, num_samples: int) -> None:
+        """Raise unless `num_samples` more samples leave at most `max_waiting_requests` of them
+        waiting for one of the `max_num_seqs` run slots."""
         limit = self.max_waiting_requests
-        if limit is not None and self._num_waiting >= limit:
-            raise EngineOverloadedError(f"the engine is overloaded: {self._num_waiting} requests are "
-                                        f"waiting (max_waiting_requests={limit}); retry later")
+        if limit is None:
+            return
+        capacity = self.max_num_seqs + limit
+        check(num_samples <= capacity, "n", f"at most {capacity} samples can run or wait at once "
+              f"(max_num_seqs={self.max_num_seqs} + max_waiting_requests={limit})", num_samples)
+        in_engine = self._num_running + self._num_waiting
+        if in_engine + num_samples > capacity:
+            raise EngineOverloadedError(
+                f"the engine is overloaded: {max(in_engine - self.max_num_seqs, 0)} samples are waiting "
+                f"for a run slot (max_num_seqs={self.max_num_seqs}, max_waiting_requests={limit}) and "
+                f"this request has {num_samples}; retry later")
 
     def abort(self, request_id: str) -> None:
         with self._wakeup:
@@ -111,6 +126,11 @@ class AsyncLLMEngine:
                 output = await queue.get()
                 if output.error is not None:
                     finished = True
+                    code, param, message = parse_wire(output.error)
+                    if code is not None:  # refused after it was queued (a grammar that did not compile)
+                        error = EngineError(None, message, code)
+                        error.param = param
+                        raise error
                     raise (EngineDeadError if self.errored else RequestFailedError)(output.error)
                 finished = output.finished
                 yield output
@@ -149,8 +169,8 @@ class AsyncLLMEngine:
         slower decode steps)."""
         try:
             self.engine = LLMEngine(config)
-            self.engine.runner.on_failure = self._worker_died
-        except BaseException as exc:  # noqa: BLE001 - raised again in the constructor's thread
+            self.engine.on_worker_failure(self._worker_died)
+        except BaseException as exc:  # raised again in the constructor's thread
             self._build_error = exc
             return
         finally:
@@ -173,17 +193,17 @@ class AsyncLLMEngine:
                     else:
                         self._deliver(self.engine.abort_request(argument))
                 if stopping:
-                    for request_id in list(self.engine.parents):
+                    for request_id in self.engine.request_ids():
                         self._deliver(self.engine.abort_request(request_id))
                     return
                 try:
                     outputs = self.engine.step()
-                except Exception as exc:  # noqa: BLE001 - fail what the step touched, then probe
+                except Exception as exc:  # fail what the step touched, then probe
                     outputs = self._recover(exc)
                 for output in outputs:
                     self._deliver(output)
                 self._count_waiting()
-        except BaseException as exc:  # noqa: BLE001 - the engine cannot go on: fail everyone, loudly
+        except BaseException as exc:  # the engine cannot go on: fail everyone, loudly
             logger.exception("the engine failed")
             self.error, self.errored = exc, True
             with self._wakeup:
@@ -191,15 +211,16 @@ class AsyncLLMEngine:
                 pending = [arg for cmd, arg in self._commands if cmd == "add"]
                 self._commands.clear()
             for request_id, callback in callbacks.items():
-                parent = self.engine.parents.get(request_id) or next(
-                    (p for p in pending if p.request_id == request_id), None)
-                prompt_ids = parent.prompt_token_ids if parent else []
+                pending_parent = next((p for p in pending if p.request_id == request_id), None)
+                prompt_ids = self.engine.prompt_token_ids(request_id) or (
+                    pending_parent.prompt_token_ids if pending_parent else [])
                 self._safe_call(callback, RequestOutput(request_id, None, prompt_ids, [], True,
                                                         error=f"engine failed: {exc!r}"))
 
     def _count_waiting(self) -> None:
-        queued = len(self.engine.scheduler.waiting) + sum(map(len, self.engine.held_siblings.values()))
+        queued, running = self.engine.num_queued_samples(), self.engine.num_running_samples()
         with self._wakeup:
+            self._num_running = running
             self._num_waiting = queued + sum(len(p.children) for c, p in self._commands if c == "add")
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
@@ -207,16 +228,14 @@ class AsyncLLMEngine:
         not), then fail the dropped ones. Returns the probe step's outputs for the survivors."""
         self.num_failed_steps += 1
         logger.error("engine step failed; failing the requests it touched", exc_info=exc)
-        touched = [(request_id, parent.prompt_token_ids) for request_id, parent in self.engine.parents.items()
-                   if any(c.request.status not in QUEUED or c.request.block_table or c.request.swap_blocks
-                          for c in parent.children)]
+        touched = [(request_id, self.engine.prompt_token_ids(request_id))
+                   for request_id in self.engine.started_request_ids()]
         for request_id, _ in touched:
             self.engine.abort_request(request_id)
-        kv_cache = self.engine.kv_cache
-        if kv_cache.num_free_blocks != kv_cache.num_blocks:  # the survivors hold no blocks
-            raise RuntimeError(f"after a failed step {kv_cache.num_blocks - kv_cache.num_free_blocks} "
-                               f"KV blocks belong to no request") from exc
-        kv_cache.reset_prefix_cache()  # what the failed step wrote is not to be trusted
+        orphaned = self.engine.num_used_blocks()  # the survivors, only queued, hold none
+        if orphaned:
+            raise RuntimeError(f"after a failed step {orphaned} KV blocks belong to no request") from exc
+        self.engine.reset_prefix_cache()  # what the failed step wrote is not to be trusted
         outputs = self._probe()  # raises if the fault persists: the engine is dead
         for request_id, prompt_ids in touched:
             self._deliver(RequestOutput(request_id, None, prompt_ids, [], True,
@@ -246,5 +265,5 @@ class AsyncLLMEngine:
     def _safe_call(callback: OutputCallback, output: RequestOutput) -> None:
         try:
             callback(output)
-        except Exception:  # noqa: BLE001 - a caller's bug must not stop the engine
+        except Exception:  # a caller's bug must not stop the engine
             logger.exception("output callback failed for request %s", output.request_id)

@@ -1,15 +1,19 @@
-"""EngineConfig: the one place every engine knob is named.
+"""EngineConfig: the one place every engine knob is named, and the limits derived from it.
 
 The field names are the `LLM(...)` keyword arguments, the `tritonllm serve --flags` (with dashes)
-and the keys of the Triton model's `model.json`. Invalid values raise `ValueError` naming the field.
+and the keys of the Triton model's `model.json`. Invalid values raise `EngineError` (a ValueError)
+naming the field. The bottom of the import graph: nothing from `backend/` but `errors`, no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from backend.errors import EngineError, check
+from backend.lora import parse_lora_modules  # torch-free, like this module
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -32,7 +36,10 @@ class EngineConfig:
         "help": "servers: requests (samples, for n > 1) queued for a slot before new ones are refused "
                 "as overloaded; none: no limit (the offline LLM always queues everything)"})
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "tokens computed per step"})
-    kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": "KV cache size (CPU); default: min(4 GiB, 1/4 of free RAM)"})
+    kv_cache_memory_bytes: int | None = field(default=None, metadata={
+        "help": "KV cache size in bytes; default on a CPU: room for max_num_seqs sequences of "
+                "min(max_model_len, 2048) tokens, at most min(4 GiB, 1/4 of free RAM), resident only as "
+                "blocks are used; on a GPU: what gpu_memory_utilization leaves"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory the engine may use"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of identical prefixes"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
@@ -69,81 +76,66 @@ class EngineConfig:
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
 
     def __post_init__(self) -> None:
-        def check(ok: bool, name: str, message: str) -> None:
-            if not ok:
-                raise ValueError(f"{name}: {message} (got {getattr(self, name)!r})")
+        def check_field(ok: bool, name: str, message: str) -> None:
+            check(ok, name, message, value=getattr(self, name))
 
-        check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
-        check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
-              "block_size", "must be a positive power of two")
-        check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
-        check(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
-        check(self.stream_interval >= 1, "stream_interval", "must be at least 1")
-        check(self.max_waiting_requests is None or self.max_waiting_requests > 0,
-              "max_waiting_requests", "must be positive, or none for no limit")
-        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,
-              "max_num_batched_tokens", "must be positive")
-        check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
-              "kv_cache_memory_bytes", "must be positive")
-        check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
-        check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
-              f"must be one of {', '.join(PREEMPTION_MODES)}")
-        check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
-              f"must be one of {', '.join(SCHEDULING_POLICIES)}")
-        check(self.swap_space >= 0, "swap_space", "must not be negative")
-        check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
-        check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be at least 1")
-        check(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
-        check(self.quantization is None or self.quantization in QUANTIZATION_METHODS, "quantization",
-              f"must be one of {', '.join(QUANTIZATION_METHODS)}")
-        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
-        check(self.nnodes >= 1, "nnodes", "must be at least 1")
-        check(0 <= self.node_rank < self.nnodes, "node_rank", "must be in [0, nnodes)")
+        check_field(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        check_field(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+                    "block_size", "must be a positive power of two")
+        check_field(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
+        check_field(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
+        check_field(self.stream_interval >= 1, "stream_interval", "must be at least 1")
+        check_field(self.max_waiting_requests is None or self.max_waiting_requests > 0,
+                    "max_waiting_requests", "must be positive, or none for no limit")
+        check_field(self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,
+                    "max_num_batched_tokens", "must be positive")
+        check_field(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+                    "kv_cache_memory_bytes", "must be positive")
+        check_field(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
+        check_field(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+                    f"must be one of {', '.join(PREEMPTION_MODES)}")
+        check_field(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+                    f"must be one of {', '.join(SCHEDULING_POLICIES)}")
+        check_field(self.swap_space >= 0, "swap_space", "must not be negative")
+        check_field(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
+        check_field(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be at least 1")
+        check_field(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
+        check_field(self.quantization is None or self.quantization in QUANTIZATION_METHODS, "quantization",
+                    f"must be one of {', '.join(QUANTIZATION_METHODS)}")
+        check_field(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        check_field(self.nnodes >= 1, "nnodes", "must be at least 1")
+        check_field(0 <= self.node_rank < self.nnodes, "node_rank", "must be in [0, nnodes)")
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
-        check(world_size % self.nnodes == 0, "nnodes",
-              f"must divide tensor_parallel_size x pipeline_parallel_size ({world_size})")
-        check(self.max_loras >= 1, "max_loras", "must be at least 1")
-        check(1 <= self.max_lora_rank <= 512, "max_lora_rank", "must be in [1, 512]")
-        from backend.lora import parse_lora_modules  # torch-free
-
+        check_field(world_size % self.nnodes == 0, "nnodes",
+                    f"must divide tensor_parallel_size x pipeline_parallel_size ({world_size})")
+        check_field(self.max_loras >= 1, "max_loras", "must be at least 1")
+        check_field(1 <= self.max_lora_rank <= 512, "max_lora_rank", "must be in [1, 512]")
         self.lora_modules = parse_lora_modules(self.lora_modules) or None
-        check(self.enable_lora or not self.lora_modules, "lora_modules", "needs enable_lora")
-        check(not self.enable_lora or world_size == 1, "enable_lora",
-              "runs without tensor/pipeline parallelism for now")
+        check_field(self.enable_lora or not self.lora_modules, "lora_modules", "needs enable_lora")
+        check_field(not self.enable_lora or world_size == 1, "enable_lora",
+                    "runs without tensor/pipeline parallelism for now")
         if self.speculative_config is not None:
-            from backend.spec_decode import SpeculativeConfig  # only when asked for: it imports torch
-
             speculative = SpeculativeConfig.parse(self.speculative_config)  # ValueError before anything starts
-            check(speculative.method != "draft_model" or world_size == 1, "speculative_config",
-                  "method draft_model runs without tensor/pipeline parallelism; use method ngram there")
+            check_field(speculative.method != "draft_model" or world_size == 1, "speculative_config",
+                        "method draft_model runs without tensor/pipeline parallelism; use method ngram there")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
         """Build from model.json-style keys; strings are cast to the field's type."""
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
-        return cls(**{name: cast_value(name, known[name].type, value) for name, value in values.items()})
+        check(not unknown, None, f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**{name: cast_value(name, str(known[name].type), value) for name, value in values.items()})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    def resolved_model(self) -> str:
-        if self.model:
-            from backend.quantization.gguf import gguf_model_folder  # a .gguf: its config and tokenizer beside it
-
-            model = os.path.expanduser(self.model)
-            return str(gguf_model_folder(model) or model)
-        from tools.prepare_model import prepare_model
-        return str(prepare_model())
 
 
 def cast_value(name: str, type_name: str, value: Any) -> Any:
     """Cast a JSON or CLI value to a dataclass field's annotated type (given as a string)."""
     if value is None or not isinstance(value, str) or type_name.startswith("str"):
         if type_name.startswith("bool") and not isinstance(value, (bool, type(None))):
-            raise ValueError(f"{name}: expected a boolean (got {value!r})")
+            raise EngineError(name, "expected a boolean", value=value)
         return value
     text = value.strip()
     if "None" in type_name and text.lower() in ("", "none", "null"):
@@ -160,5 +152,102 @@ def cast_value(name: str, type_name: str, value: Any) -> Any:
         if type_name.startswith("float"):
             return float(text)
     except ValueError:
-        raise ValueError(f"{name}: cannot read {value!r} as {type_name.split(' ')[0]}") from None
+        raise EngineError(name, f"cannot read {value!r} as {type_name.split(' ')[0]}") from None
     return value
+
+
+def json_object_option(name: str, value: Any, known: list[str]) -> dict:
+    """An option given as a dict or its JSON text (CLI, model.json, sampling_parameters), with only
+    known keys; clear errors naming the option otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise EngineError(name, f"not valid JSON ({error})") from None
+    check(isinstance(value, dict), name, f"must be a JSON object, got {value!r:.80}")
+    unknown = sorted(set(value) - set(known))
+    check(not unknown, name, f"unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return value
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`speculative_config` in vLLM's shape, parsed from its JSON text or dict."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None  # ngram: the longest suffix looked up
+    prompt_lookup_min: int | None = None  # ngram: the shortest
+    model: str | None = None  # draft_model: its Hugging Face folder
+
+    @classmethod
+    def parse(cls, value: str | dict) -> "SpeculativeConfig":
+        def require(ok: bool, message: str) -> None:
+            check(ok, "speculative_config", message)
+
+        value = json_object_option("speculative_config", value, [f.name for f in fields(cls)])
+        values = dict(value)
+        if values.get("method") is None:  # vLLM infers the method from a draft model's path
+            values["method"] = "draft_model" if values.get("model") else None
+        require(values["method"] in SPECULATIVE_METHODS,
+                f"method must be one of {', '.join(SPECULATIVE_METHODS)} (got {values['method']!r})")
+
+        def positive(name: str) -> None:
+            number = values.get(name)
+            require(not isinstance(number, bool) and isinstance(number, int) and number >= 1,
+                    f"{name} must be a positive integer (got {number!r})")
+
+        positive("num_speculative_tokens")
+        if values["method"] == "ngram":
+            require(values.get("model") is None, "model is for method draft_model, not ngram")
+            low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if values.get(name) is not None:
+                    positive(name)
+            if low is None and high is None:
+                low = high = 5  # vLLM's default
+            values["prompt_lookup_min"] = high if low is None else low
+            values["prompt_lookup_max"] = low if high is None else high
+            require(values["prompt_lookup_min"] <= values["prompt_lookup_max"],
+                    f"prompt_lookup_min ({values['prompt_lookup_min']}) must not exceed "
+                    f"prompt_lookup_max ({values['prompt_lookup_max']})")
+        else:
+            require(isinstance(values.get("model"), str) and bool(values["model"]),
+                    "method draft_model needs model, the draft model's folder")
+            lookup = [k for k in ("prompt_lookup_min", "prompt_lookup_max") if values.get(k) is not None]
+            require(not lookup, f"{', '.join(lookup)} is for method ngram, not draft_model")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The limits derived from the config and the model's config.json, resolved once
+    (`resolve_limits`) and used by the engine, the scheduler and the runner alike."""
+    max_model_len: int  # prompt + output tokens of one request
+    max_num_batched_tokens: int  # tokens computed per step
+    sliding_window: int | None  # the model's attention window, None for full attention
+
+
+def max_step_tokens(config: EngineConfig, max_model_len: int) -> int:
+    """The most tokens one step computes (the engine's max_num_batched_tokens default)."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    return 2048 if config.enable_chunked_prefill else max(2048, max_model_len)
+
+
+def resolve_limits(config: EngineConfig, hf_config: dict) -> EngineLimits:
+    """max_model_len (the config's, else the model's), the step token budget and the sliding window."""
+    model_limit = hf_config.get("max_position_embeddings", 2048)
+    window = hf_config.get("sliding_window") if hf_config.get("use_sliding_window", True) else None
+    if window:
+        # Attention here is full, so stay where full and sliding-window attention agree.
+        model_limit = min(model_limit, window)
+    check(config.max_model_len is None or config.max_model_len <= model_limit, "max_model_len",
+          f"{config.max_model_len} exceeds the model's max_position_embeddings ({model_limit})")
+    max_model_len = config.max_model_len or model_limit
+    max_batched = max_step_tokens(config, max_model_len)
+    check(config.enable_chunked_prefill or max_batched >= max_model_len, "max_num_batched_tokens",
+          f"{max_batched} is smaller than max_model_len ({max_model_len}) while chunked prefill is off")
+    return EngineLimits(max_model_len, max_batched, window or None)

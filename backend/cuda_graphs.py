@@ -12,7 +12,21 @@ from __future__ import annotations
 import torch
 
 from backend.attention import AttentionMetadata, PrefillSpan
-from backend.model_runner import padded_batch_size
+
+
+def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes captured as CUDA graphs: 1, 2, 4, then every multiple of 8, up to
+    max_num_seqs (itself included) and at most 256. A batch runs in the smallest that holds it."""
+    limit = min(max_num_seqs, 256)
+    sizes = [s for s in [1, 2, 4, *range(8, 257, 8)] if s <= limit]
+    if sizes[-1] < limit:
+        sizes.append(limit)
+    return sizes
+
+
+def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size holding num_seqs, or None when none does (run eagerly)."""
+    return next((s for s in sizes if s >= num_seqs), None)
 
 
 class CudaGraphs:

@@ -1,5 +1,7 @@
 """LLMEngine: the loop. `add_request` validates and queues, `step` schedules, runs the model, samples
-and returns outputs, `abort_request` frees a request at once. Nothing else lives here.
+and returns outputs, `abort_request` frees a request at once. A step's post-work has two homes: the
+scheduler updates request state from it (`update_from_output`), the output processor appends tokens
+and builds outputs. Nothing else lives here.
 """
 
 from __future__ import annotations
@@ -9,25 +11,31 @@ import json
 import logging
 import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
-from backend.config import EngineConfig
-from backend.errors import check
+from backend.config import EngineConfig, resolve_limits
 from backend.kv_cache import KVCacheManager
 from backend.lora import LoRARequest
 from backend.metrics import EngineMetrics
-from backend.model_runner import ModelRunner, load_hf_config, max_step_tokens
-from backend.output_processor import ChildState, ParentRequest, append_token, make_output
+from backend.model_loader import load_hf_config
+from backend.model_paths import resolve_model_path
+from backend.model_runner import ModelRunner
+from backend.output_processor import ChildState, OutputProcessor, ParentRequest, SampledTokens, make_output
 from backend.detokenizer import IncrementalDetokenizer
+from backend.errors import check
 from backend.outputs import RequestOutput
-from backend.request import Request
+from backend.request import Request, RequestStatus
 from backend.sampling import Sampler
 from backend.sampling_params import SamplingParams
-from backend.scheduler import Scheduler
+from backend.scheduler import Scheduler, SchedulerOutput
 from backend.spec_decode import SpeculativeDecoder, accepted_tokens
 from backend.structured_output import GrammarCompiler, RequestGrammar
 
 logger = logging.getLogger(__name__)
+
+QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)  # no blocks, nothing half-computed
+GRAMMAR_POLL_S = 0.05  # an idle step waits this long at most for a grammar to compile
 
 
 def load_tokenizer(path: str):
@@ -57,23 +65,13 @@ class LLMEngine:
         # Step on the thread that builds the engine: see `_warn_thread`.
         self.built_on = threading.current_thread()
         self._warned_thread = False
-        self.model_path = config.resolved_model()
+        self.model_path = resolve_model_path(config.model)
         hf_config = load_hf_config(self.model_path)
         self.model_name = config.served_model_name or Path(self.model_path).name
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or self.model_path)
-        model_limit = hf_config.get("max_position_embeddings", 2048)
-        window = hf_config.get("sliding_window")
-        if window and hf_config.get("use_sliding_window", True):
-            # Attention here is full, so stay where full and sliding-window attention agree.
-            model_limit = min(model_limit, window)
-        if config.max_model_len is not None and config.max_model_len > model_limit:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({model_limit})")
-        self.max_model_len = config.max_model_len or model_limit
-        max_batched = max_step_tokens(config, self.max_model_len)
-        if not config.enable_chunked_prefill and max_batched < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens: {max_batched} is smaller than max_model_len "
-                             f"({self.max_model_len}) while chunked prefill is off")
+        self.limits = resolve_limits(config, hf_config)
+        self.max_model_len = self.limits.max_model_len
+        max_batched = self.limits.max_num_batched_tokens
         self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len)
         self.vocab_size = self.runner.args.vocab_size
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
@@ -87,9 +85,8 @@ class LLMEngine:
             config, self.runner, self.kv_cache, self.metrics, self.max_model_len)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.parents: dict[str, ParentRequest] = {}
-        self.held_siblings: dict[str, list[ChildState]] = {}  # n > 1: samples not yet queued
-        self.children: dict[str, tuple[ParentRequest, ChildState]] = {}
+        self.compiling: dict[str, futures.Future] = {}  # requests queued while their grammar compiles
+        self.output_processor = OutputProcessor(self.metrics, self.eos_token_ids, self.max_model_len)
         self._update_gauges()  # vllm:lora_requests_info's labels from the start
 
     # -- requests ------------------------------------------------------------------------------
@@ -107,8 +104,7 @@ class LLMEngine:
                     *, arrival_time: float | None = None, cache_salt: str | None = None,
                     priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         """Validate and queue a request; raises ValueError with a clear message if it can never run."""
-        if request_id in self.parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        check(request_id not in self.output_processor.parents, "request_id", "is already in use", request_id)
         self.enqueue(self.process_request(request_id, prompt, params, arrival_time=arrival_time,
                                           cache_salt=cache_salt, priority=priority, lora_request=lora_request))
 
@@ -137,7 +133,8 @@ class LLMEngine:
             raise ValueError(f"the request needs {needed} KV-cache blocks but only "
                              f"{self.kv_cache.num_blocks} exist; raise kv_cache_memory_bytes")
         params.all_stop_token_ids = self.eos_token_ids | set(params.stop_token_ids or ())
-        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
+        # Checked now, compiled on the grammar pool: the request waits in the queue meanwhile.
+        grammar = self.grammars.submit(params.structured_outputs) if params.structured_outputs else None
         # A request may stream more sparsely than the server does, not more densely (as in vLLM).
         stream_interval = max(params.stream_interval or 1, self.config.stream_interval)
         parent = ParentRequest(request_id, prompt_text, prompt_ids, params.output_kind, stream_interval)
@@ -161,51 +158,71 @@ class LLMEngine:
         return parent
 
     def enqueue(self, parent: ParentRequest) -> None:
-        if parent.request_id in self.parents:
-            raise ValueError(f"request_id {parent.request_id!r} is already in use")
-        self.parents[parent.request_id] = parent
+        check(parent.request_id not in self.output_processor.parents, "request_id", "is already in use",
+              parent.request_id)
+        self.output_processor.add(parent)
         for child in parent.children:
-            self.children[child.request.request_id] = (parent, child)
             self.scheduler.stamp_arrival(child.request)
-        first, *rest = parent.children
-        self.scheduler.add(first.request)
-        if rest and self.config.enable_prefix_caching:
-            # Siblings wait until the first sample has computed the prompt, then find its
-            # blocks in the prefix cache instead of computing the same prompt n times.
-            self.held_siblings[parent.request_id] = rest
-        else:
-            for child in rest:
-                self.scheduler.add(child.request)
+        first = parent.children[0].request
+        if first.grammar is not None and not first.grammar.is_ready():
+            self.compiling[parent.request_id] = first.grammar.compiled
+        self.scheduler.add_samples([child.request for child in parent.children])
         self._update_gauges()
-
-    def _release_siblings(self) -> None:
-        for parent_id, rest in list(self.held_siblings.items()):
-            first = self.parents[parent_id].children[0].request
-            if first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens:
-                for child in rest:
-                    self.scheduler.add(child.request)
-                del self.held_siblings[parent_id]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (finish_reason abort)."""
-        parent = self.parents.pop(request_id, None)
+        parent = self._drop(request_id)
+        return None if parent is None else make_output(parent, None)
+
+    def _drop(self, request_id: str) -> ParentRequest | None:
+        parent = self.output_processor.pop(request_id)
         if parent is None:
             return None
-        self.held_siblings.pop(request_id, None)
+        self.compiling.pop(request_id, None)
         for child in parent.children:
             request = child.request
             if not request.is_finished:
                 request.finish_reason = "abort"
                 self._finish(request)
-            self.children.pop(request.request_id, None)
         self._update_gauges()
-        return make_output(parent, None)
+        return parent
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.parents)
+        return bool(self.output_processor.parents)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.parents)
+        return len(self.output_processor.parents)
+
+    # -- what servers ask about their requests (AsyncLLMEngine) -------------------------------
+    def request_ids(self) -> list[str]:
+        return list(self.output_processor.parents)
+
+    def prompt_token_ids(self, request_id: str) -> list[int] | None:
+        parent = self.output_processor.parents.get(request_id)
+        return None if parent is None else parent.prompt_token_ids
+
+    def num_queued_samples(self) -> int:
+        """Samples waiting for a run slot (held n > 1 samples and those whose grammar compiles too)."""
+        return self.scheduler.num_queued
+
+    def num_running_samples(self) -> int:
+        return len(self.scheduler.running)
+
+    def started_request_ids(self) -> list[str]:
+        """Requests with a sample past the queue: running, or holding KV or swap blocks."""
+        return [request_id for request_id, parent in self.output_processor.parents.items()
+                if any(c.request.status not in QUEUED or c.request.block_table or c.request.swap_blocks
+                       for c in parent.children)]
+
+    def num_used_blocks(self) -> int:
+        return self.kv_cache.num_blocks - self.kv_cache.num_free_blocks
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache.reset_prefix_cache()
+
+    def on_worker_failure(self, callback) -> None:
+        """Call `callback(message)` when a tensor/pipeline-parallel rank dies."""
+        self.runner.on_failure = callback
 
     # -- the loop --------------------------------------------------------------------------------
     def _warn_thread(self) -> None:
@@ -222,82 +239,69 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if threading.current_thread() is not self.built_on and not self._warned_thread:
             self._warn_thread()
+        outputs = self._fail_uncompiled_grammars()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
-        if plan.preempted:
-            self.metrics.registry.inc(self.metrics.num_preemptions, len(plan.preempted))
-        for request in plan.newly_admitted:
-            request.metrics.first_scheduled_time = time.time()
-            queried = request.num_prompt_tokens
-            self.metrics.registry.inc(self.metrics.prefix_cache_queries, queried)
-            self.metrics.registry.inc(self.metrics.prefix_cache_hits, request.num_cached_tokens)
+        self._count_admissions(plan)
         if plan.swap_out or plan.swap_in:
             self.runner.swap_blocks(plan.swap_out, plan.swap_in)
-        if not plan.scheduled:
-            self._update_gauges()
-            return []
-        logits, sampled_requests = self.runner.execute(plan.scheduled)
-        for request, num_new in plan.scheduled:
-            request.num_computed_tokens += num_new - len(request.spec_token_ids)  # drafts: once accepted
-            self.kv_cache.cache_full_blocks(request)
-        if self.held_siblings:
-            self._release_siblings()
-        rows = sampled_requests if self.spec is None else self.spec.verification_rows(sampled_requests)
-        result = self.sampler(logits, rows) if rows else None
-
-        updated: dict[str, set[int]] = {}
-        row = 0
-        for request in sampled_requests:
-            parent, child = self.children[request.request_id]
-            if request.num_output_tokens == 0:
-                self.metrics.registry.inc(self.metrics.prompt_tokens, request.num_prompt_tokens)
-                self._observe(self.metrics.time_to_first_token, time.time() - request.metrics.arrival_time)
-            elif request.metrics.last_token_time is not None:
-                self._observe(self.metrics.inter_token_latency, time.time() - request.metrics.last_token_time)
-            drafts = request.spec_token_ids
-            tokens = accepted_tokens(drafts, result.token_ids[row:row + 1 + len(drafts)])
-            for i, token in enumerate(tokens):
-                append_token(child, token, result.logprobs[row + i], self.eos_token_ids, self.max_model_len)
-                if request.grammar is not None:
-                    request.grammar.advance(request, token)
-                self.metrics.registry.inc(self.metrics.generation_tokens)
-                if request.finish_reason is not None:
-                    break  # accepted tokens after a stop are dropped
-            row += 1 + len(drafts)
-            if drafts:
-                self.spec.verified(request, len(tokens) - 1)
-            updated.setdefault(parent.request_id, set()).add(request.index)
-            if request.finish_reason is not None:
-                self._finish(request)
-                request.metrics.finished_time = time.time()
-
-        outputs = []
-        for parent_id, indexes in updated.items():
-            parent = self.parents[parent_id]
-            output = make_output(parent, indexes)
-            if output is not None:
-                outputs.append(output)
-            if parent.finished:
-                self._retire(parent)
+        if plan.scheduled:
+            logits, sampled_requests = self.runner.execute(plan.scheduled)
+            sampled = self._sample(logits, sampled_requests)
+            self.output_processor.append_tokens(sampled)
+            for request in self.scheduler.update_from_output(plan):
+                self._finished(request)
+            outputs += self.output_processor.make_outputs(sampled)
+        elif self.compiling:
+            futures.wait(self.compiling.values(), GRAMMAR_POLL_S, futures.FIRST_COMPLETED)
         self._update_gauges()
         return outputs
 
+    def _fail_uncompiled_grammars(self) -> list[RequestOutput]:
+        """Final outputs for queued requests whose grammar failed to compile or ran out of time."""
+        outputs = []
+        for request_id, compiled in list(self.compiling.items()):
+            error = self.grammars.failure(compiled)
+            if error is not None:
+                parent = self._drop(request_id)
+                outputs.append(self.output_processor.failed_output(parent, error))
+            elif compiled.done():
+                del self.compiling[request_id]
+        return outputs
+
+    def _count_admissions(self, plan: SchedulerOutput) -> None:
+        registry, m = self.metrics.registry, self.metrics
+        if plan.preempted:
+            registry.inc(m.num_preemptions, len(plan.preempted))
+        for request in plan.newly_admitted:
+            request.metrics.first_scheduled_time = time.time()
+            registry.inc(m.prefix_cache_queries, request.num_prompt_tokens)
+            registry.inc(m.prefix_cache_hits, request.num_cached_tokens)
+
+    def _sample(self, logits, requests: list[Request]) -> list[SampledTokens]:
+        """Each sampled request's new tokens: one, or with speculative drafts the drafts the target
+        model agrees with and then its own next token."""
+        if not requests:
+            return []
+        result = self.sampler(logits, requests if self.spec is None else self.spec.verification_rows(requests))
+        sampled, row = [], 0
+        for request in requests:
+            drafts = request.spec_token_ids
+            tokens = accepted_tokens(drafts, result.token_ids[row:row + 1 + len(drafts)])
+            sampled.append(SampledTokens(request, tokens, result.logprobs[row:row + len(tokens)]))
+            if drafts:
+                self.spec.verified(request, len(tokens) - 1)
+            row += 1 + len(drafts)
+        return sampled
+
     def _finish(self, request: Request) -> None:
         self.scheduler.finish(request)
+        self._finished(request)
+
+    def _finished(self, request: Request) -> None:
         if self.spec is not None:
             self.spec.finish(request)
-
-    def _retire(self, parent: ParentRequest) -> None:
-        del self.parents[parent.request_id]
-        for child in parent.children:
-            del self.children[child.request.request_id]
-        self.metrics.registry.inc(self.metrics.request_success)
-        first = parent.children[0].request.metrics
-        self._observe(self.metrics.e2e_request_latency, time.time() - first.arrival_time)
-
-    def _observe(self, metric, value: float) -> None:
-        self.metrics.registry.observe(metric, value)
 
     def _update_gauges(self) -> None:
         registry, m = self.metrics.registry, self.metrics
@@ -315,5 +319,6 @@ class LLMEngine:
         return self.metrics.registry.snapshot()
 
     def shutdown(self) -> None:
-        """Stop the tensor/pipeline-parallel worker ranks, if any (idempotent)."""
+        """Stop the grammar pool and the tensor/pipeline-parallel worker ranks, if any (idempotent)."""
+        self.grammars.shutdown()
         self.runner.shutdown()

@@ -17,6 +17,10 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if model is None:  # the default model: fetched and converted on first use
+            from tools.prepare_model import prepare_model
+
+            model = str(prepare_model())
         self.llm_engine = LLMEngine(EngineConfig.from_dict({"model": model, **kwargs}))
         self._request_counter = itertools.count()
 
@@ -39,7 +43,7 @@ class LLM:
             lora_request = [lora_request] * len(prompts)
         if len(lora_request) != len(prompts):
             raise EngineError("lora_request", "give one, or one per prompt")
-        order = {}
+        order: dict[str, int] = {}
         for prompt, params, lora in zip(prompts, sampling_params, lora_request):
             params = SamplingParams(**{**params.__dict__, "output_kind": RequestOutputKind.FINAL_ONLY})
             request_id = str(next(self._request_counter))

@@ -14,73 +14,25 @@ and every rank runs its part: hidden states go stage to stage, logits come back 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from backend import cpu_ops, distributed, quantization
+from backend import distributed, kv_memory, parallel_state, quantization
 from backend.attention import AttentionMetadata, PrefillSpan
 from backend.config import EngineConfig
+from backend.errors import check
+from backend.kv_memory import KVCacheLayout
 from backend.lora.layers import LoRABatch, LoRAModel
-from backend.models.llama import LlamaArgs, LlamaForCausalLM, check_parallel
+from backend.model_loader import load_model, model_args, resolve_device, resolve_dtype
+from backend.models.llama import check_parallel
 from backend.request import Request
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
-
-
-def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype != "auto":
-        return DTYPES[config.dtype]
-    if device.type == "cuda" or cpu_has_native_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
-def load_hf_config(model_path: str) -> dict:
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"model: {model_path!r} is not a Hugging Face model folder (no config.json)")
-    config = json.loads(path.read_text())
-    architectures = set(config.get("architectures") or [])
-    if not architectures & SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"model: architecture {sorted(architectures)} is not supported "
-                         f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
-    return config
-
-
-def iterate_safetensors(model_path: str):
-    from safetensors import safe_open
-
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model: no .safetensors files in {model_path!r} (pickle checkpoints are never loaded)")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 @dataclass
@@ -96,110 +48,82 @@ class StepPlan:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, hf_config: dict,
                  max_model_len: int, rank: int = 0) -> None:
-        self.block_size = config.block_size
-        self.max_model_len = max_model_len
-        self.args = LlamaArgs.from_hf_config(hf_config)
+        self.block_size, self.max_model_len = config.block_size, max_model_len
+        self.args = model_args(hf_config)
         self.failure: str | None = None  # a worker rank died: every later step raises this
         self.on_failure: Callable[[str], None] | None = None
         self.workers: distributed.WorkerProcesses | None = None
-        world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         check_parallel(self.args, config.tensor_parallel_size, config.pipeline_parallel_size)
-        self.quantization = quantization.detect(hf_config, config.quantization, world_size)
-        if world_size > 1 and rank == 0:
-            if config.node_rank != 0:
-                raise ValueError("node_rank: the engine (rank 0) runs on node 0; other nodes run `tritonllm worker`")
-            address, port = distributed.rendezvous(config)
-            config = dataclasses.replace(config, master_addr=address, master_port=port)
-            self.workers = distributed.WorkerProcesses(config, distributed.local_ranks(config)[1:], model_path,
-                                                       max_model_len, on_failure=self._worker_failed)
-        self.config = config
-        self.device = resolve_device(config)
-        if self.device.type == "cuda" and world_size > 1:
-            self.device = torch.device("cuda", rank % (world_size // config.nnodes))
-            torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(config, self.device)
-        if self.device.type == "cpu" and world_size > 1:  # the host's cores, shared among its ranks
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world_size // config.nnodes)))
+        self.quantization = quantization.detect(hf_config, config.quantization, world_size(config))
+        self.config = config = self._start_workers(config, model_path, rank)
+        self.device, self.dtype = self._place(config, rank)
         self.kv_cache_dtype = quantization.kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         try:
-            self.parallel = distributed.init(config, rank, self.device, failure=lambda: self.failure)
-            with torch.device("meta"):
-                model = LlamaForCausalLM(self.args, self.parallel)
-                quantization.prepare(model, self.quantization, model_path, self.dtype)
+            self.parallel = parallel_state.init(config, rank, self.device, failure=lambda: self.failure)
+            self.model = load_model(config, model_path, hf_config, self.parallel, self.quantization,
+                                    self.device, self.dtype)
         except BaseException:
             self.shutdown()
             raise
-        model = model.to_empty(device=self.device)
-        model.post_init()
-        model.load_weights(quantization.iterate_weights(model_path, self.quantization, hf_config)
-                           or iterate_safetensors(model_path))
-        self.model = model.to(self.dtype).eval()
-        quantization.quantize_loaded(self.model, self.quantization)  # before pack_linears: not nn.Linear then
-        if self.device.type == "cpu":
-            cpu_ops.pack_linears(self.model, config.max_num_seqs)
-        # Wraps the projections (after packing, around the packed ones); before the KV cache is sized.
+        # LoRA wraps the loaded (on the CPU, packed) projections, before the KV cache is sized.
         self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
-        attention = self.model.layers[0].self_attn
-        self.num_kv_heads, self.num_layers = attention.num_kv_heads, len(self.model.layers)
-        self.num_blocks = self._num_blocks()
-        if self.parallel.world_size > 1:  # every rank holds as many blocks as the tightest one
-            self.num_blocks = min(all_gather(self.num_blocks))
-        shape = (2, self.num_kv_heads, self.num_blocks, self.block_size, self.args.head_dim)
-        if self.device.type == "cpu":
-            self.kv_caches = [cpu_ops.huge_page_zeros(shape, self.kv_cache_dtype) for _ in range(self.num_layers)]
-        else:
-            self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                              for _ in range(self.num_layers)]
-        # Swap space for preemption_mode="swap": host memory (pinned when the cache is on a GPU).
-        self.num_swap_blocks = 0
-        self.swap_caches: list[torch.Tensor] = []
-        if config.preemption_mode == "swap":
-            self.num_swap_blocks = int(config.swap_space * (1 << 30)) // self.block_bytes
-            swap_shape = (2, self.num_kv_heads, self.num_swap_blocks, self.block_size, self.args.head_dim)
-            pin = self.device.type == "cuda"
-            self.swap_caches = [torch.zeros(swap_shape, dtype=self.kv_cache_dtype, pin_memory=pin)
-                                for _ in range(self.num_layers)]
-        self.cuda_graphs = None
-        if self.device.type == "cuda" and self.parallel.world_size == 1 and self.lora is None:
-            # (LoRA steps run eagerly: a graph would freeze one step's token-to-adapter segments.)
-            from backend.cuda_graphs import CudaGraphs  # GPU only: never imported on the CPU
-
-            self.cuda_graphs = CudaGraphs(self.model, self.kv_caches, cuda_graph_batch_sizes(config.max_num_seqs),
-                                          -(-max_model_len // self.block_size))
+        self._allocate_kv_cache()
+        self.cuda_graphs = self._capture_cuda_graphs()
         logger.info("model %s on %s in %s; KV cache %d blocks of %d tokens", model_path,
                     self.device, self.dtype, self.num_blocks, self.block_size)
 
+    def _start_workers(self, config: EngineConfig, model_path: str, rank: int) -> EngineConfig:
+        """Rank 0 of a parallel engine starts this host's other ranks; the config it returns
+        carries the rendezvous address they all meet at."""
+        if world_size(config) == 1 or rank != 0:
+            return config
+        check(config.node_rank == 0, "node_rank",
+              "the engine (rank 0) runs on node 0; other nodes run `tritonllm worker`")
+        address, port = distributed.rendezvous(config)
+        config = dataclasses.replace(config, master_addr=address, master_port=port)
+        self.workers = distributed.WorkerProcesses(config, distributed.local_ranks(config)[1:], model_path,
+                                                   self.max_model_len, on_failure=self._worker_failed)
+        return config
+
+    @staticmethod
+    def _place(config: EngineConfig, rank: int) -> tuple[torch.device, torch.dtype]:
+        """This rank's device (its own GPU, or a share of the host's cores) and the activation dtype."""
+        device = resolve_device(config)
+        ranks_per_host = world_size(config) // config.nnodes
+        if device.type == "cuda" and world_size(config) > 1:
+            device = torch.device("cuda", rank % ranks_per_host)
+            torch.cuda.set_device(device)
+        if device.type == "cpu" and world_size(config) > 1:  # the host's cores, shared among its ranks
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_host))
+        return device, resolve_dtype(config, device)
+
+    def _allocate_kv_cache(self) -> None:
+        """Size the KV cache to the budget (every rank holds as many blocks as the tightest one),
+        allocate it and, for preemption_mode=swap, its swap space."""
+        self.num_kv_heads, self.num_layers = self.model.layers[0].self_attn.num_kv_heads, len(self.model.layers)
+        self.layout = KVCacheLayout(self.num_layers, self.num_kv_heads, self.block_size, self.args.head_dim,
+                                    self.kv_cache_dtype)
+        budget = kv_memory.kv_cache_budget(self.config, self.layout, self.model, self.args, self.dtype,
+                                           self.device, self.parallel.world_size, self.max_model_len)
+        self.num_blocks = kv_memory.num_kv_blocks(self.config, self.layout, budget, self.device)
+        if self.parallel.world_size > 1:
+            self.num_blocks = min(all_gather(self.num_blocks))
+        self.kv_caches = kv_memory.allocate_kv_caches(self.layout, self.num_blocks, self.device)
+        self.num_swap_blocks, self.swap_caches = kv_memory.allocate_swap_caches(self.config, self.layout,
+                                                                                self.device)
+
+    def _capture_cuda_graphs(self):
+        """Decode steps as CUDA graphs: one GPU only (the ranks of a parallel engine run eagerly)."""
+        if self.device.type != "cuda" or self.parallel.world_size > 1 or self.lora is not None:
+            return None  # (LoRA steps run eagerly: a graph would freeze one step's adapter segments)
+        from backend.cuda_graphs import CudaGraphs, cuda_graph_batch_sizes  # GPU only: never imported on the CPU
+
+        return CudaGraphs(self.model, self.kv_caches, cuda_graph_batch_sizes(self.config.max_num_seqs),
+                          -(-self.max_model_len // self.block_size))
+
     @property
     def block_bytes(self) -> int:
-        element = torch.finfo(self.kv_cache_dtype).bits // 8
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.args.head_dim * element
-
-    def _num_blocks(self) -> int:
-        if self.config.kv_cache_memory_bytes is not None:
-            budget = self.config.kv_cache_memory_bytes
-        elif self.device.type == "cuda" and self.parallel.world_size > 1:
-            # No profiling pass across ranks: hold back a generous share for the activations.
-            free, total = torch.cuda.mem_get_info(self.device)
-            step_bytes = 64 * max_step_tokens(self.config, self.max_model_len) * self.args.hidden_size * 4
-            budget = gpu_kv_cache_budget(total, free, step_bytes, self.config.gpu_memory_utilization)
-        elif self.device.type == "cuda":
-            from backend.cuda_graphs import profile_step_memory
-
-            peak = profile_step_memory(self.model, self.args, self.dtype, self.device, self.block_size,
-                                       profile_sequence_lengths(max_step_tokens(self.config, self.max_model_len),
-                                                                self.max_model_len),
-                                       self.config.max_num_seqs)
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = gpu_kv_cache_budget(total, free, peak, self.config.gpu_memory_utilization)
-        else:
-            budget = min(4 << 30, available_memory_bytes() // 4)
-        num_blocks = budget // self.block_bytes
-        if num_blocks < 1:
-            knob = ("gpu_memory_utilization" if self.device.type == "cuda"
-                    and self.config.kv_cache_memory_bytes is None else "kv_cache_memory_bytes")
-            raise ValueError(f"{knob}: leaves {budget} bytes for the KV cache, which hold no block "
-                             f"(one block takes {self.block_bytes} bytes)")
-        return int(num_blocks)
+        return self.layout.block_bytes
 
     @torch.inference_mode()
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
@@ -207,7 +131,7 @@ class ModelRunner:
         swapped out may be handed to a resumed request in the same step)."""
         self._check_workers()
         if self.parallel.world_size > 1 and self.parallel.rank == 0:
-            distributed.broadcast_plan(("swap", swap_out, swap_in), self.parallel)
+            parallel_state.broadcast_plan(("swap", swap_out, swap_in), self.parallel)
         for pairs, to_swap in ((swap_out, True), (swap_in, False)):
             if not pairs:
                 continue
@@ -234,7 +158,8 @@ class ModelRunner:
             input_ids, positions, meta = self._prepare(decodes, prefills)
             # Only a request whose step reaches its last known token samples the next one; one with
             # speculative drafts also gets a row for each of them, to verify it.
-            rows, offset = [], 0
+            rows: list[int] = []
+            offset = 0
             for request, n in decodes + prefills:
                 offset += n
                 num_drafts = len(request.spec_token_ids)
@@ -243,7 +168,7 @@ class ModelRunner:
                     sample_requests.append(request)
             plans.append(StepPlan(input_ids, positions, meta, rows, lora_batch))
         if self.parallel.world_size > 1:
-            distributed.broadcast_plan(("step", plans), self.parallel)
+            parallel_state.broadcast_plan(("step", plans), self.parallel)
         logits = self._run(plans)
         if not sample_requests:
             return torch.empty(0, self.args.vocab_size), []
@@ -315,7 +240,7 @@ class ModelRunner:
         """A worker rank's loop: run what rank 0 broadcasts until it says stop."""
         with torch.inference_mode():
             while True:
-                message = distributed.broadcast_plan(None, self.parallel)
+                message = parallel_state.broadcast_plan(None, self.parallel)
                 if message[0] == "step":
                     self._run(message[1])
                 elif message[0] == "swap":
@@ -340,8 +265,8 @@ class ModelRunner:
         workers, self.workers = self.workers, None
         if self.failure is None and dist.is_initialized():
             try:
-                distributed.broadcast_plan(("stop",), self.parallel)
-            except Exception:  # noqa: BLE001 - a dead peer: the processes are ended below anyway
+                parallel_state.broadcast_plan(("stop",), self.parallel)
+            except Exception:  # a dead peer: the processes are ended below anyway
                 pass
         workers.stop()
         if dist.is_initialized():
@@ -380,7 +305,7 @@ class ModelRunner:
         prefill_tables = block_tables[len(decodes):]
         spans, query_starts = [], [0]
         offset = len(decodes)
-        for i, ((request, n), context_len) in enumerate(zip(prefills, prefill_lens)):
+        for i, ((_, n), context_len) in enumerate(zip(prefills, prefill_lens)):
             spans.append(PrefillSpan(offset, n, context_len, prefill_tables[i, :-(-context_len // block_size)]))
             offset += n
             query_starts.append(query_starts[-1] + n)
@@ -426,47 +351,5 @@ def all_gather(value: int) -> list[int]:
     return values
 
 
-def max_step_tokens(config: EngineConfig, max_model_len: int) -> int:
-    """The most tokens one step computes (the engine's max_num_batched_tokens default)."""
-    if config.max_num_batched_tokens is not None:
-        return config.max_num_batched_tokens
-    return 2048 if config.enable_chunked_prefill else max(2048, max_model_len)
-
-
-def profile_sequence_lengths(num_tokens: int, max_model_len: int) -> list[int]:
-    """The profiling step: num_tokens of prefill in sequences no longer than max_model_len."""
-    full, rest = divmod(num_tokens, max_model_len)
-    return [max_model_len] * full + ([rest] if rest else [])
-
-
-def gpu_kv_cache_budget(total: int, free: int, peak_step_bytes: int, utilization: float,
-                        reserve: int = 256 << 20) -> int:
-    """Bytes left for KV blocks: the utilization share of the GPU, less what is in use now
-    (weights, the CUDA context, other processes), the largest step's activations (measured by
-    the profiling pass) and a reserve for the CUDA graphs' pool and allocator slack."""
-    return int(total * utilization) - (total - free) - peak_step_bytes - reserve
-
-
-def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes captured as CUDA graphs: 1, 2, 4, then every multiple of 8, up to
-    max_num_seqs (itself included) and at most 256. A batch runs in the smallest that holds it."""
-    limit = min(max_num_seqs, 256)
-    sizes = [s for s in [1, 2, 4, *range(8, 257, 8)] if s <= limit]
-    if sizes[-1] < limit:
-        sizes.append(limit)
-    return sizes
-
-
-def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
-    """The smallest captured size holding num_seqs, or None when none does (run eagerly)."""
-    return next((s for s in sizes if s >= num_seqs), None)
-
-
-def available_memory_bytes() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def world_size(config: EngineConfig) -> int:
+    return config.tensor_parallel_size * config.pipeline_parallel_size

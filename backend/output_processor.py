@@ -1,4 +1,6 @@
-"""From sampled tokens to RequestOutputs: stop checks, detokenization, logprobs and n > 1.
+"""From sampled tokens to RequestOutputs: stop checks, detokenization, grammars, logprobs, token
+metrics and n > 1. `OutputProcessor` holds what each request needs for that (its parent, its
+detokenizer, what was already sent); the scheduler holds where each request stands in the queue.
 
 A user request with n samples is a parent of n child Requests that the scheduler runs independently
 (their prompts share KV blocks through the prefix cache). This module appends each child's new
@@ -15,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 from backend.detokenizer import IncrementalDetokenizer
+from backend.errors import EngineError
+from backend.metrics import EngineMetrics
 from backend.outputs import CompletionOutput, Logprob, RequestOutput
 from backend.request import Request
 from backend.sampling_params import RequestOutputKind
@@ -47,6 +51,86 @@ class ParentRequest:
     @property
     def finished(self) -> bool:
         return all(c.request.is_finished for c in self.children)
+
+
+@dataclass
+class SampledTokens:
+    """What a step sampled for one request: the tokens to append (a speculative decode may accept
+    several) and, when asked for, each one's logprobs."""
+    request: Request
+    token_ids: list[int]
+    logprobs: list
+
+
+class OutputProcessor:
+    """The engine's unfinished user requests by id, and the post-step work on them: append the
+    sampled tokens (ending requests on stop tokens, stop strings, length or a finished grammar),
+    count tokens and latencies, and build each request's RequestOutput."""
+
+    def __init__(self, metrics: EngineMetrics, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.metrics = metrics
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.parents: dict[str, ParentRequest] = {}
+        self.children: dict[str, tuple[ParentRequest, ChildState]] = {}
+
+    def add(self, parent: ParentRequest) -> None:
+        self.parents[parent.request_id] = parent
+        for child in parent.children:
+            self.children[child.request.request_id] = (parent, child)
+
+    def pop(self, request_id: str) -> ParentRequest | None:
+        parent = self.parents.pop(request_id, None)
+        for child in parent.children if parent is not None else ():
+            self.children.pop(child.request.request_id, None)
+        return parent
+
+    def append_tokens(self, sampled: list[SampledTokens]) -> None:
+        registry, m = self.metrics.registry, self.metrics
+        for item in sampled:
+            request = item.request
+            _, child = self.children[request.request_id]
+            now = time.time()
+            if request.num_output_tokens == 0:
+                registry.inc(m.prompt_tokens, request.num_prompt_tokens)
+                registry.observe(m.time_to_first_token, now - request.metrics.arrival_time)
+            elif request.metrics.last_token_time is not None:
+                registry.observe(m.inter_token_latency, now - request.metrics.last_token_time)
+            for token, logprobs in zip(item.token_ids, item.logprobs):
+                append_token(child, token, logprobs, self.eos_token_ids, self.max_model_len)
+                if request.grammar is not None:
+                    request.grammar.advance(request, token)
+                registry.inc(m.generation_tokens)
+                if request.finish_reason is not None:
+                    request.metrics.finished_time = time.time()
+                    break  # accepted tokens after a stop are dropped
+
+    def make_outputs(self, sampled: list[SampledTokens]) -> list[RequestOutput]:
+        """One output per user request with news this step; finished requests are forgotten."""
+        updated: dict[str, set[int]] = {}
+        for item in sampled:
+            updated.setdefault(item.request.parent_id, set()).add(item.request.index)
+        outputs = []
+        for parent_id, indexes in updated.items():
+            parent = self.parents[parent_id]
+            output = make_output(parent, indexes)
+            if output is not None:
+                outputs.append(output)
+            if parent.finished:
+                self._retire(parent)
+        return outputs
+
+    def _retire(self, parent: ParentRequest) -> None:
+        self.pop(parent.request_id)
+        registry, m = self.metrics.registry, self.metrics
+        registry.inc(m.request_success)
+        registry.observe(m.e2e_request_latency, time.time() - parent.children[0].request.metrics.arrival_time)
+
+    @staticmethod
+    def failed_output(parent: ParentRequest, error: EngineError) -> RequestOutput:
+        """The final output of a request refused after it was queued (its error in wire form)."""
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, [], True,
+                             error=error.wire())
 
 
 def check_stop_token(request: Request, token_id: int, eos_token_ids: set[int],

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from backend.config import cast_value
+from backend.config import cast_value, json_object_option
 
 
 class RequestOutputKind(enum.Enum):
@@ -175,7 +175,7 @@ class SamplingParams:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         cast = {}
         for name, value in values.items():
-            type_name = known[name].type
+            type_name = str(known[name].type)
             if name in ("stop", "structured_outputs"):
                 cast[name] = value
             elif isinstance(value, str) and name == "stop_token_ids":
@@ -187,19 +187,3 @@ class SamplingParams:
                     value = int(value)  # JSON writers may send 16.0 for 16
                 cast[name] = value
         return cls(**cast)
-
-
-def json_object_option(name: str, value: Any, known: list[str]) -> dict:
-    """An option given as a dict or its JSON text (CLI, model.json, sampling_parameters), with only
-    known keys; clear ValueErrors naming the option otherwise."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{name}: not valid JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name}: must be a JSON object, got {value!r:.80}")
-    unknown = sorted(set(value) - set(known))
-    if unknown:
-        raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    return value

@@ -7,8 +7,10 @@ blocks are short), then waiting requests in queue order while sequence slots, bu
 allow. When blocks run out a victim is preempted (by priority, then recency): by recompute (its
 blocks are freed and it starts over) or by swap (its blocks are copied to CPU swap space and back
 on resume). A waiting request that does not fit may be passed over a bounded number of times so it
-cannot stall smaller requests behind it forever. The scheduler never touches tensors: the plan it
-returns says what to compute and which blocks to copy.
+cannot stall smaller requests behind it forever; one whose grammar is still compiling waits
+without being counted as passed over. The scheduler never touches tensors: the plan it returns says
+what to compute and which blocks to copy. After the step, `update_from_output` counts what was
+computed, registers full blocks for the prefix cache, queues held samples and frees finished ones.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class Scheduler:
         self.max_loras = max_loras  # distinct LoRA adapters a step may hold (the runner's slots)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        # n > 1 with prefix caching: a request's other samples wait until its first one has computed
+        # the prompt, then find its blocks in the prefix cache instead of computing it n times.
+        self.held: dict[Request, list[Request]] = {}
         self._arrivals = itertools.count()
 
     def _queue_key(self, request: Request) -> tuple[int, int]:
@@ -64,8 +69,23 @@ class Scheduler:
         self.stamp_arrival(request)
         bisect.insort(self.waiting, request, key=self._queue_key)
 
+    def add_samples(self, samples: list[Request]) -> None:
+        """Queue a user request's samples (see `held`)."""
+        first, *rest = samples
+        self.add(first)
+        if rest and self.kv_cache.enable_prefix_caching:
+            self.held[first] = rest
+        else:
+            for request in rest:
+                self.add(request)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
+
+    @property
+    def num_queued(self) -> int:
+        """Samples waiting for a slot, held samples included."""
+        return len(self.waiting) + sum(map(len, self.held.values()))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -103,6 +123,9 @@ class Scheduler:
         while (index < len(self.waiting) and not out.preempted and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[index]
+            if request.grammar is not None and not request.grammar.is_ready():
+                index += 1  # still compiling: not its turn yet, and not passed over either
+                continue
             swapped = request.status == RequestStatus.SWAPPED
             cached_blocks = [] if swapped else self.kv_cache.find_cached_prefix(request)
             num_new = (request.num_tokens - request.num_computed_tokens
@@ -156,8 +179,34 @@ class Scheduler:
             request.status = RequestStatus.PREEMPTED
         self.add(request)
 
+    def update_from_output(self, plan: SchedulerOutput) -> list[Request]:
+        """After the step's tokens were appended: count what was computed, register full blocks,
+        queue held samples whose prompt is now cached, and free the requests that finished (which
+        it returns)."""
+        for request, num_scheduled in plan.scheduled:
+            if request.spec_token_ids:
+                # A verified decode: the KV of every appended token but the last is in place (the
+                # accepted drafts count now); blocks taken only for rejected drafts go back.
+                request.spec_token_ids = []
+                request.num_computed_tokens = request.num_tokens - 1
+                self.kv_cache.trim(request, request.num_tokens)
+            else:
+                request.num_computed_tokens += num_scheduled
+            self.kv_cache.cache_full_blocks(request)
+        for first, rest in list(self.held.items()):
+            if first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens:
+                for request in rest:
+                    self.add(request)
+                del self.held[first]
+        finished = [r for r, _ in plan.scheduled if r.finish_reason is not None and not r.is_finished]
+        for request in finished:
+            self.finish(request)
+        return finished
+
     def finish(self, request: Request) -> None:
-        """Remove a finished or aborted request and free its blocks at once."""
+        """Remove a finished or aborted request and free its blocks at once (an aborted request's
+        held samples go with it: the caller finishes them too)."""
+        self.held.pop(request, None)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:  # not yet queued (held n > 1 siblings) is fine too

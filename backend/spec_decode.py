@@ -20,68 +20,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
+from backend.config import SpeculativeConfig
 from backend.kv_cache import KVCacheManager
 from backend.request import Request
 from backend.sampling import draw_uniform
-from backend.sampling_params import SamplingParams, json_object_option
-
-METHODS = ("ngram", "draft_model")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """`speculative_config` in vLLM's shape, parsed from its JSON text or dict."""
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_max: int | None = None  # ngram: the longest suffix looked up
-    prompt_lookup_min: int | None = None  # ngram: the shortest
-    model: str | None = None  # draft_model: its Hugging Face folder
-
-    @classmethod
-    def parse(cls, value: str | dict) -> "SpeculativeConfig":
-        def fail(message: str) -> ValueError:
-            return ValueError(f"speculative_config: {message}")
-
-        value = json_object_option("speculative_config", value, [f.name for f in fields(cls)])
-        values = dict(value)
-        if values.get("method") is None:  # vLLM infers the method from a draft model's path
-            values["method"] = "draft_model" if values.get("model") else None
-        if values["method"] not in METHODS:
-            raise fail(f"method must be one of {', '.join(METHODS)} (got {values['method']!r})")
-
-        def positive(name: str) -> None:
-            number = values.get(name)
-            if isinstance(number, bool) or not isinstance(number, int) or number < 1:
-                raise fail(f"{name} must be a positive integer (got {number!r})")
-
-        positive("num_speculative_tokens")
-        if values["method"] == "ngram":
-            if values.get("model") is not None:
-                raise fail("model is for method draft_model, not ngram")
-            low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
-            for name in ("prompt_lookup_min", "prompt_lookup_max"):
-                if values.get(name) is not None:
-                    positive(name)
-            if low is None and high is None:
-                low = high = 5  # vLLM's default
-            values["prompt_lookup_min"] = high if low is None else low
-            values["prompt_lookup_max"] = low if high is None else high
-            if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
-                raise fail(f"prompt_lookup_min ({values['prompt_lookup_min']}) must not exceed "
-                           f"prompt_lookup_max ({values['prompt_lookup_max']})")
-        else:
-            if not isinstance(values.get("model"), str) or not values["model"]:
-                raise fail("method draft_model needs model, the draft model's folder")
-            lookup = [k for k in ("prompt_lookup_min", "prompt_lookup_max") if values.get(k) is not None]
-            if lookup:
-                raise fail(f"{', '.join(lookup)} is for method ngram, not draft_model")
-        return cls(**values)
-
+from backend.sampling_params import SamplingParams
 
 def ngram_proposal(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
@@ -119,7 +66,8 @@ class DraftModelProposer:
     accepted, catches up on the rest in one chunk and decodes k greedy tokens."""
 
     def __init__(self, config: SpeculativeConfig, engine_config, target, max_model_len: int) -> None:
-        from backend.model_runner import ModelRunner, load_hf_config  # the draft model's runner
+        from backend.model_loader import load_hf_config
+        from backend.model_runner import ModelRunner  # the draft model's runner
         from backend.models.llama import LlamaArgs
 
         path = os.path.expanduser(config.model)
@@ -214,8 +162,8 @@ class SpeculativeDecoder:
         return verification_rows(requests)
 
     def verified(self, request: Request, num_accepted: int) -> None:
-        """After the accepted drafts and the target's own token were appended: the KV of every token
-        but the last is in place; blocks taken only for rejected drafts go back."""
+        """After sampling a decode with drafts: replay the seeded generator for the rows kept and
+        count the drafts (the scheduler's `update_from_output` counts the computed tokens)."""
         state = self.generator_states.pop(request.request_id, None)
         if state is not None:  # one draw per row kept (rows are drawn one by one, from one stream)
             request.generator.set_state(state)
@@ -224,10 +172,6 @@ class SpeculativeDecoder:
         self.metrics.registry.inc(self.metrics.spec_decode_num_drafts)
         self.metrics.registry.inc(self.metrics.spec_decode_num_draft_tokens, len(request.spec_token_ids))
         self.metrics.registry.inc(self.metrics.spec_decode_num_accepted_tokens, num_accepted)
-        request.spec_token_ids = []
-        request.num_computed_tokens = request.num_tokens - 1
-        self.kv_cache.cache_full_blocks(request)
-        self.kv_cache.trim(request, request.num_tokens)
 
     def finish(self, request: Request) -> None:
         self.proposer.finish(request)

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # after the watchdog: importing torch takes seconds
 
     from backend.config import EngineConfig
-    from backend.model_runner import ModelRunner, load_hf_config
+    from backend.model_loader import load_hf_config
+    from backend.model_runner import ModelRunner
 
     spec = json.loads(sys.stdin.read())
     config = EngineConfig.from_dict(spec["config"])

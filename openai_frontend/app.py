@@ -30,7 +30,8 @@ EMBEDDINGS_MODEL_NAME = "all-MiniLM-L6-v2"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's opt-in, honoured as is
 DEFAULT_TRITON_URL = "127.0.0.1:8001"
 # Open without the API key: probes and scrapers. Everything else (every /v1 route) needs it.
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc"})
+PUBLIC_PATHS = frozenset({"/health", "/health/ready", "/health/live", "/version", "/metrics", "/openapi.json",
+                          "/docs", "/redoc"})
 logger = logging.getLogger(__name__)
 
 
@@ -57,18 +58,21 @@ class Settings:
     lora_modules: list[str] = field(default_factory=list)  # `name=path`: adapters served as model ids
     # vLLM's runtime /v1/load_lora_adapter and /v1/unload_lora_adapter (they load files: API key required)
     allow_runtime_lora_updating: bool = False
+    request_timeout: float | None = None  # seconds for a whole request (Triton cancels it past them); none
+    header_timeout: float = 10.0  # seconds a client has to send a request's headers
+    body_timeout: float = 30.0  # seconds a client has to send a request's body, once its headers are in
 
     def resolved(self) -> "Settings":
         model = self.model
         if model is None:
-            from tools.prepare_model import default_model_dir, is_prepared
-            if not is_prepared(default_model_dir()):
-                raise ValueError("model: no --model given and the default model is not prepared "
-                                 "(run `tritonllm prepare-model`)")
-            model = str(default_model_dir())
+            from backend.model_paths import prepared_default_model
+            model = str(prepared_default_model())
         model = str(Path(model).expanduser())
         if self.routing not in ROUTING:
             raise ValueError(f"routing: one of {', '.join(ROUTING)}, got {self.routing!r}")
+        for name in ("request_timeout", "header_timeout", "body_timeout"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be positive seconds, got {getattr(self, name)}")
         if self.triton_urls_file is not None and not Path(self.triton_urls_file).is_file():
             raise ValueError(f"triton_urls_file: {self.triton_urls_file} is not a file")
         for url in self.triton_urls():
@@ -95,7 +99,8 @@ class Frontend:
         self.settings = settings
         self.prompts = PromptBuilder(settings.model, settings.tokenizer, settings.max_model_len)
         # Connected inside the event loop (lifespan); TritonClient's calls, routed.
-        self.triton = Replicas(settings.triton_urls(), settings.routing, settings.triton_urls_file)
+        self.triton = Replicas(settings.triton_urls(), settings.routing, settings.triton_urls_file,
+                               settings.request_timeout)
         self.metrics = FrontendMetrics(self.triton)
         self.started = int(time.time())
         # LoRA adapters served as model ids: name -> (path, registered at runtime). The Triton model

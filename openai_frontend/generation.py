@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -121,13 +121,13 @@ class Choices:
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-async def merge(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+async def merge(streams: list[AsyncGenerator[Chunk, None]]) -> AsyncGenerator[tuple[int, Chunk], None]:
     """Interleave several generations as (prompt index, chunk); the first failure ends them all.
     Leaving early cancels every generation still running."""
     queue: asyncio.Queue = asyncio.Queue()
     end = object()
 
-    async def pump(index: int, stream: AsyncIterator[Chunk]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[Chunk, None]) -> None:
         try:
             async for chunk in stream:
                 await queue.put((index, chunk))
@@ -156,7 +156,7 @@ async def merge(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int,
 
 async def start(triton: TritonClient, prompts: list[list[int]], parameters: list[dict], *, stream: bool,
                 prompt_param: str, structured_param: str | None = None
-                ) -> tuple[tuple[int, Chunk], AsyncIterator[tuple[int, Chunk]]]:
+                ) -> tuple[tuple[int, Chunk], AsyncGenerator[tuple[int, Chunk], None]]:
     """Send every prompt (with its sampling parameters) and wait for the first response, so that a
     request Triton rejects still gets its HTTP status (not a 200 stream carrying an error).
     A structured output the engine cannot compile is named as the field it came from."""
@@ -185,7 +185,7 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def sse_stream(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+async def sse_stream(events: AsyncGenerator[dict, None]) -> AsyncIterator[str]:
     """Frame events as SSE; a failure mid-way becomes an error event; `[DONE]` always comes last."""
     try:
         async for event in events:

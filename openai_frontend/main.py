@@ -1,4 +1,5 @@
-"""`python -m openai_frontend`: serve the OpenAI API against one running Triton or several.
+"""`python -m openai_frontend`: serve the OpenAI API against one running Triton or several, on
+uvicorn's HTTP/1.1 server with deadlines on reading each request (see TimedH11Protocol).
 
     python -m openai_frontend --grpc-url 127.0.0.1:8001 --port 9000 --model /path/to/hf-folder
     python -m openai_frontend --triton-url 10.0.0.5:8001 --triton-url 10.0.0.6:8001 --routing prefix
@@ -8,10 +9,15 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
 from dataclasses import fields
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from openai_frontend.app import Settings, build_app
 from openai_frontend.replicas import ROUTING
@@ -28,7 +34,7 @@ HELP = {
                "a replica, so shared system prompts hit its prefix cache) or round-robin",
     "host": "address to listen on",
     "port": "port to listen on",
-    "api_key": "require `Authorization: Bearer <key>` on every endpoint but /health, /version, /metrics "
+    "api_key": "require `Authorization: Bearer <key>` on every endpoint but /health (/ready, /live), /version, /metrics "
                f"and the API docs (default: ${API_KEY_ENV}, which `ps` does not show)",
     "model": "HF model folder: tokenizer, chat template, context length (default: the prepared SmolLM2)",
     "tokenizer": "tokenizer folder, if not the model's",
@@ -43,7 +49,82 @@ HELP = {
                                    "--api-key; also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
     "tool_call_parser": "how tool calls are written in the model's output: hermes (<tool_call>{...}</tool_call>) "
                         "or json",
+    "request_timeout": "seconds a whole request may take, streams included, before it fails with 504 and "
+                       "Triton cancels it (default: none; requests stuck on a dead or frozen Triton fail "
+                       "anyway, see docs/openai.md)",
+    "header_timeout": "seconds a client has to send a request's headers, else 408 and the connection closed",
+    "body_timeout": "seconds a client has to send a request's body once its headers are in, else 408 and the "
+                    "connection closed",
 }
+READ_TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with deadlines on reading a request, which uvicorn lacks (its
+    timeout_keep_alive covers only the idle time between requests): the headers must arrive within
+    `header_timeout` of the connection or of the request's first byte, the body within
+    `body_timeout` of the headers. Past either the client gets a 408 (if no response has started)
+    and the connection is closed, so slow or stalled clients cannot hold connections open."""
+
+    header_timeout = 10.0
+    body_timeout = 30.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.reading: str | None = None  # "headers" or "body" while a deadline runs
+        self.read_timer: asyncio.TimerHandle | None = None
+        self.arm("headers")
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self.follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # may start reading the next, pipelined request
+        self.follow()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.arm(None)
+        super().connection_lost(exc)
+
+    def follow(self) -> None:
+        """Run the deadline that fits what is being read now, if any."""
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            if self.reading != "body":
+                self.arm("body")
+        elif state is h11.IDLE:
+            if self.reading is None and self.conn.trailing_data[0]:  # part of the next request is in
+                self.arm("headers")
+        else:
+            self.arm(None)  # the request is in (or the connection is done): nothing to wait for
+
+    def arm(self, reading: str | None) -> None:
+        if self.read_timer is not None:
+            self.read_timer.cancel()
+        self.reading, self.read_timer = reading, None
+        if reading is not None:
+            timeout = self.header_timeout if reading == "headers" else self.body_timeout
+            self.read_timer = self.loop.call_later(timeout, self.expired)
+
+    def expired(self) -> None:
+        what, self.reading, self.read_timer = self.reading, None, None
+        if self.transport.is_closing():
+            return
+        self.logger.debug("%s:%d - closed: request %s not received in time", *(self.client or ("?", 0)), what)
+        if what == "headers" or not self.cycle.response_started:
+            self.transport.write(READ_TIMEOUT_RESPONSE)
+        if what == "body":  # the app waiting for the rest of the body sees a disconnect
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self.transport.close()
+
+
+def server_config(app, settings: Settings, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's settings for the frontend: its address and the request-reading deadlines."""
+    protocol = type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout": settings.header_timeout,
+                                                              "body_timeout": settings.body_timeout})
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level, http=protocol)
 
 
 def parse_settings(argv: list[str] | None = None) -> tuple[Settings, str]:
@@ -57,7 +138,7 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, str]:
         if f.type.startswith("list"):  # repeated, or several after one flag (vLLM's --lora-modules a=x b=y)
             parser.add_argument(flag, action="extend", nargs="+", default=[], help=HELP[f.name])
             continue
-        kind = int if f.type.startswith("int") else str
+        kind = int if f.type.startswith("int") else float if f.type.startswith("float") else str
         default = os.environ.get(API_KEY_ENV) if f.name == "api_key" else f.default
         help_text = HELP[f.name] if "default" in HELP[f.name] else f"{HELP[f.name]} (default: {f.default})"
         parser.add_argument(flag, type=kind, default=default, help=help_text,
@@ -68,8 +149,6 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
     settings, log_level = parse_settings(argv)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -77,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"openai_frontend: {error}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)
+    uvicorn.Server(server_config(app, settings, log_level)).run()
     return 0
 
 

@@ -1,6 +1,7 @@
 """The frontend's own Prometheus metrics (Triton exports the engine's on its metrics port): requests
 by endpoint and status, their latency to the last byte (streams included), those in flight, and
-per Triton replica whether it is ready, its outstanding requests and the requests sent to it."""
+per Triton replica whether it is ready, whether it is broken (stopped answering), its outstanding
+requests and the requests sent to it."""
 
 from __future__ import annotations
 
@@ -20,16 +21,22 @@ class ReplicaCollector:
 
     def collect(self):
         ready = GaugeMetricFamily("tritonllm_frontend_replica_ready",
-                                  "1 if the replica's llm model is ready and routed to.", labels=("replica",))
+                                  "1 if the replica's llm model is loaded, its process answers and it is "
+                                  "routed to.", labels=("replica",))
+        broken = GaugeMetricFamily("tritonllm_frontend_replica_broken",
+                                   "1 if Triton or the replica's llm model process stopped answering "
+                                   "(a dead stub, a frozen server): its stalled requests are failed.",
+                                   labels=("replica",))
         outstanding = GaugeMetricFamily("tritonllm_frontend_replica_outstanding_requests",
                                         "Requests sent to the replica and not finished.", labels=("replica",))
         sent = CounterMetricFamily("tritonllm_frontend_replica_requests",
                                    "Requests sent to the replica (retries included).", labels=("replica",))
         for replica in self.replicas.all():
             ready.add_metric([replica.url], float(replica.ready))
+            broken.add_metric([replica.url], float(replica.broken is not None))
             outstanding.add_metric([replica.url], replica.outstanding)
             sent.add_metric([replica.url], replica.requests)
-        return [ready, outstanding, sent]
+        return [ready, broken, outstanding, sent]
 
 
 class FrontendMetrics:

@@ -3,9 +3,13 @@
 - Routing: `least-outstanding` (the default), `round-robin`, or `prefix`: the prompt's first
   token blocks pick a replica by rendezvous hashing, so requests that share a system prompt land
   where its KV blocks are cached, unless that replica is far busier than the least loaded one.
-- Health: a background check of every replica's `llm` model-ready every HEALTH_INTERVAL_S, and any
-  UNAVAILABLE from a call marks its replica down at once. A request that fails on a replica before
-  its first response is tried on another one; after that, only that request fails.
+- Health: every HEALTH_INTERVAL_S a background check asks each replica whether its `llm` model is
+  ready and then probes the model's own process (triton.py's `probe`: Triton keeps a model READY
+  after its Python stub died); any UNAVAILABLE from a call marks its replica down at once. A
+  replica that is loaded but does not answer (a dead stub, a frozen Triton) is `broken`: a request
+  there that has produced nothing for STALL_S fails with a 503 (an SSE error event mid-stream)
+  instead of hanging. A request that fails on a replica before its first response is tried on
+  another one; after that, only that request fails. `request_timeout` bounds every request.
 - Discovery: fixed `host:port` addresses, a file of them re-read at every check, and `dns:///name:port`
   entries (a Kubernetes headless Service) whose every address is a replica, re-resolved likewise.
 
@@ -20,7 +24,7 @@ import hashlib
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +32,14 @@ from pathlib import Path
 import numpy as np
 
 from openai_frontend.errors import OpenAIError
-from openai_frontend.triton import LLM_MODEL, Chunk, ReplicaUnavailable, TritonClient
+from openai_frontend.triton import LLM_MODEL, Chunk, ReplicaUnavailable, RequestTimeout, TritonClient
 
 ROUTING = ("least-outstanding", "prefix", "round-robin")
 HEALTH_INTERVAL_S = 2.0
+# A request on a broken replica fails once it has waited this long for its next response. Not at
+# once: a probe can miss its deadline while the model is merely busy (a long execute call).
+STALL_S = 5.0
+STALL_CHECK_S = 0.5
 DNS_PREFIX = "dns:///"
 # The prefix key: the prompt's first PREFIX_BLOCKS whole blocks of BLOCK_TOKENS (the engine's
 # default block size), enough to tell system prompts apart and short enough to ignore the question.
@@ -48,6 +56,7 @@ class Replica:
     url: str
     client: TritonClient | None = None  # None only in tests of the policies
     ready: bool = False  # its llm model answered ready at the last check, and no call failed since
+    broken: str | None = None  # why Triton or the model's process stopped answering; None if they answer
     outstanding: int = 0  # requests sent and not finished
     requests: int = 0  # requests ever sent here
 
@@ -107,13 +116,14 @@ async def resolve(entry: str) -> list[str]:
         return [entry]
     host, _, port = entry[len(DNS_PREFIX):].rpartition(":")
     infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    return sorted({address(info[4][0], int(port)) for info in infos})
+    return sorted({address(str(info[4][0]), int(port)) for info in infos})
 
 
 class Replicas:
     def __init__(self, urls: Iterable[str], routing: str = "least-outstanding",
-                 urls_file: str | None = None) -> None:
+                 urls_file: str | None = None, request_timeout: float | None = None) -> None:
         self.entries, self.urls_file, self.routing = list(urls), urls_file, routing
+        self.request_timeout = request_timeout  # seconds for a whole request, retries included
         self.replicas: dict[str, Replica] = {}  # by url, in discovery order
         self.retired: list[Replica] = []  # no longer listed; closed once their requests end
         self.last_resolved: dict[str, list[str]] = {}  # an entry's last good listing
@@ -175,14 +185,18 @@ class Replicas:
         await asyncio.gather(*(self.check(replica) for replica in list(self.replicas.values())))
 
     async def check(self, replica: Replica) -> bool:
+        """Ready: Triton answers, the model is loaded, and its process answers a probe. Broken: the
+        first or the last does not hold (a model merely not loaded, or unloading, is neither)."""
         try:
-            ready = await replica.client.model_ready(LLM_MODEL)
-        except OpenAIError:
-            ready = False
-        if ready != replica.ready:
+            loaded = await replica.client.model_ready(LLM_MODEL)
+            broken = await replica.client.probe(LLM_MODEL) if loaded else None
+        except OpenAIError as error:
+            loaded, broken = False, error.message
+        ready = loaded and broken is None
+        if ready != replica.ready or broken != replica.broken:
             logger.log(logging.INFO if ready else logging.WARNING, "replica %s is %s", replica.url,
-                       "ready" if ready else "not ready")
-        replica.ready = ready
+                       "ready" if ready else f"not ready: {broken}" if broken else "not ready")
+        replica.ready, replica.broken = ready, broken
         return ready
 
     def mark_down(self, replica: Replica, error: OpenAIError) -> None:
@@ -218,18 +232,56 @@ class Replicas:
             self.mark_down(replica, error)
         return error.status == 503
 
+    # -- deadlines -----------------------------------------------------------------------------
+    def deadline(self) -> float | None:
+        return None if not self.request_timeout else asyncio.get_running_loop().time() + self.request_timeout
+
+    def time_left(self, deadline: float | None) -> float | None:
+        if deadline is None:
+            return None
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise RequestTimeout(self.request_timeout)
+        return left
+
+    @staticmethod
+    async def watched(replica: Replica, chunks: AsyncGenerator[Chunk, None]) -> AsyncGenerator[Chunk, None]:
+        """`chunks`, failed with a 503 once they have waited STALL_S for the next one while their
+        replica is broken: a dead stub or a frozen Triton never answers nor closes the stream."""
+        loop = asyncio.get_running_loop()
+        while True:
+            waiting_since = loop.time()
+            step = asyncio.ensure_future(anext(chunks))
+            try:
+                while not step.done():
+                    await asyncio.wait({step}, timeout=STALL_CHECK_S)
+                    if not step.done() and replica.broken and loop.time() - waiting_since >= STALL_S:
+                        raise OpenAIError(503, f"Triton at {replica.url} stopped answering this request: "
+                                               f"{replica.broken}", None, "model_unavailable")
+            except BaseException:
+                step.cancel()  # inside the generation: its gRPC call is cancelled
+                await asyncio.gather(step, return_exceptions=True)
+                raise
+            try:
+                chunk = step.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+
     # -- TritonClient's calls ------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], sampling_parameters: dict, *, stream: bool,
-                       prompt_param: str = "prompt") -> AsyncIterator[Chunk]:
+                       prompt_param: str = "prompt") -> AsyncGenerator[Chunk, None]:
         tried: list[Replica] = []
+        deadline = self.deadline()
         while True:
             replica = self.pick(prompt_token_ids, tried)
             tried.append(replica)
             started = False
             with self.sent(replica):
                 try:
-                    async with aclosing(replica.client.generate(prompt_token_ids, sampling_parameters,
-                                                                stream=stream, prompt_param=prompt_param)) as chunks:
+                    generation = replica.client.generate(prompt_token_ids, sampling_parameters, stream=stream,
+                                                         prompt_param=prompt_param, timeout=self.time_left(deadline))
+                    async with aclosing(generation), aclosing(self.watched(replica, generation)) as chunks:
                         async for chunk in chunks:
                             started = True
                             yield chunk
@@ -243,12 +295,13 @@ class Replicas:
 
     async def embed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         tried: list[Replica] = []
+        deadline = self.deadline()
         while True:
             replica = self.pick(None, tried)
             tried.append(replica)
             with self.sent(replica):
                 try:
-                    return await replica.client.embed(texts)
+                    return await replica.client.embed(texts, timeout=self.time_left(deadline))
                 except OpenAIError as error:
                     if not self.retry_elsewhere(replica, error):
                         raise
@@ -257,12 +310,18 @@ class Replicas:
                 raise last_error
 
     async def model_ready(self, model: str) -> bool:
-        """Whether any replica has `model` ready; 503 when none can be reached at all."""
+        """Whether any replica has `model` ready; 503 when none can be reached at all. For the LLM,
+        the background check's verdict (which probes the model's process; see `check`), so health
+        probes cost Triton nothing."""
         replicas = list(self.replicas.values())
-        answers = await asyncio.gather(*(r.client.model_ready(model) for r in replicas), return_exceptions=True)
         if model == LLM_MODEL:
-            for replica, answer in zip(replicas, answers):
-                replica.ready = answer is True
+            if any(replica.ready for replica in replicas):
+                return True
+            if replicas and all(replica.broken for replica in replicas):
+                raise OpenAIError(503, f"no Triton replica answers ({len(replicas)} known): "
+                                       f"{replicas[0].broken}", None, "service_unavailable")
+            return False
+        answers = await asyncio.gather(*(r.client.model_ready(model) for r in replicas), return_exceptions=True)
         if any(answer is True for answer in answers):
             return True
         if all(isinstance(answer, Exception) for answer in answers):

@@ -238,7 +238,7 @@ class ToolCallStream:
             if not text:
                 return []
             first, self.sent = self.sent == 0, len(self.text)
-            piece = self.named_call.delta(0) if first else {"index": 0, "function": {}}
+            piece: dict = self.named_call.delta(0) if first else {"index": 0, "function": {}}
             piece["function"]["arguments"] = text
             return [{"tool_calls": [piece]}]
         if self.plan.mode == "required":

@@ -4,8 +4,10 @@
 A generation is an async iterator of `Chunk`s; closing it early (the HTTP client left) cancels the
 gRPC call, which Triton turns into a cancelled request and the engine into freed KV blocks. When
 Triton goes away, calls fail at once with `ReplicaUnavailable` (a 503) and the channel keeps
-reconnecting every two seconds at most, so service resumes by itself when Triton is back. One
-TritonClient talks to one Triton; openai_frontend/replicas.py spreads requests over several.
+reconnecting every two seconds at most, so service resumes by itself when Triton is back. A call
+given a deadline fails with `RequestTimeout` (a 504) past it; health calls always have one.
+`probe` asks the model's own process whether it is alive, which Triton's readiness does not tell.
+One TritonClient talks to one Triton; openai_frontend/replicas.py spreads requests over several.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
@@ -29,6 +31,7 @@ EMBEDDINGS_MODEL = "embeddings"
 EMBEDDINGS_MAX_BATCH = 64  # the embeddings model's max_batch_size
 RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
 DRAIN_TIMEOUT_S = 5.0
+HEALTH_TIMEOUT_S = 5.0  # a readiness call or probe not answered by then: Triton is frozen or swamped
 CHANNEL_ARGS = [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
                 ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
                 # gRPC's default reconnect backoff grows to 120 s; Triton restarts take seconds.
@@ -41,6 +44,14 @@ class ReplicaUnavailable(OpenAIError):
 
     def __init__(self, url: str, details: str) -> None:
         super().__init__(503, f"Triton at {url} is unreachable: {details}", None, "service_unavailable")
+
+
+class RequestTimeout(OpenAIError):
+    """The request ran past the frontend's --request-timeout; Triton cancels it."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(504, f"The request did not finish within the server's request timeout "
+                              f"({timeout_s:.3g} s).", None, "request_timeout")
 
 
 @dataclass
@@ -125,19 +136,46 @@ class TritonClient:
         await self.client.close()
 
     async def model_ready(self, model: str) -> bool:
-        """False when the model is not loaded; raises OpenAIError(503) when Triton is unreachable."""
+        """False when the model is not loaded; raises ReplicaUnavailable when Triton is unreachable
+        or does not answer within HEALTH_TIMEOUT_S (a frozen process)."""
         try:
-            return await self.client.is_model_ready(model, client_timeout=5)
+            return await self.client.is_model_ready(model, client_timeout=HEALTH_TIMEOUT_S)
         except InferenceServerException as error:
             if "unavailable" in str(error.status() or "").lower() or "failed to connect" in str(error).lower():
                 raise ReplicaUnavailable(self.url, error.message()) from None
+            if "deadline" in str(error.status() or "").lower():
+                raise ReplicaUnavailable(self.url, f"no answer within {HEALTH_TIMEOUT_S:g} s") from None
             return False
 
+    async def probe(self, model: str) -> str | None:
+        """None when the model's own process answers, else why not. Triton keeps a Python-backend
+        model READY after its stub process died (2.51), so readiness alone cannot tell; the probe is
+        a request without a prompt, which a live model refuses at once without touching its engine,
+        and which Triton answers for a dead one with "Stub process 'llm_0_0' is not healthy."
+        Raises ReplicaUnavailable when Triton cannot be reached."""
+        async def requests():
+            yield {"model_name": model, "inputs": [], "request_id": "health-probe"}
+
+        responses = self.client.stream_infer(requests(), stream_timeout=HEALTH_TIMEOUT_S)
+        try:
+            async for _, error in responses:
+                await _drain(responses)
+                refused = error is not None and from_triton_message(error.message()).code == "model_unavailable"
+                return error.message() if refused else None
+            return "Triton closed the probe's stream without an answer"
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                raise ReplicaUnavailable(self.url, error.details()) from None
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return f"the `{model}` model did not answer a probe within {HEALTH_TIMEOUT_S:g} s"
+            return f"the probe failed: {error.details()}"
+
     async def generate(self, prompt_token_ids: list[int], sampling_parameters: dict, *, stream: bool,
-                       prompt_param: str = "prompt") -> AsyncIterator[Chunk]:
+                       prompt_param: str = "prompt", timeout: float | None = None) -> AsyncGenerator[Chunk, None]:
         """Run one request on the llm model; yield a Chunk per response (one when not streaming).
 
-        Raises OpenAIError for a failed request. Leaving the iteration early cancels the request.
+        Raises OpenAIError for a failed request, RequestTimeout past `timeout` seconds (a gRPC
+        deadline, so Triton cancels the request too). Leaving the iteration early cancels it.
         """
         want_logprobs = sampling_parameters.get("logprobs") is not None
         inputs = [_tensor("input_ids", np.array(prompt_token_ids, dtype=np.int32), "INT32"),
@@ -153,7 +191,7 @@ class TritonClient:
         async def requests():
             yield request
 
-        responses = self.client.stream_infer(requests())
+        responses = self.client.stream_infer(requests(), stream_timeout=timeout)
         completed = False
         try:
             async for result, error in responses:
@@ -175,28 +213,33 @@ class TritonClient:
             completed = True
             if error.code() == grpc.StatusCode.UNAVAILABLE:  # the connection, not the model
                 raise ReplicaUnavailable(self.url, error.details()) from None
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+                raise RequestTimeout(timeout) from None
             raise from_grpc_error(error) from None
         finally:
             if not completed:  # the caller went away (client disconnect, cancellation)
                 responses.cancel()
 
-    async def embed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Embeddings (float32 [len(texts), dim]) and token counts, in batches the model accepts."""
+    async def embed(self, texts: list[str], timeout: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Embeddings (float32 [len(texts), dim]) and token counts, in batches the model accepts;
+        RequestTimeout past `timeout` seconds."""
         batches = [texts[i:i + EMBEDDINGS_MAX_BATCH] for i in range(0, len(texts), EMBEDDINGS_MAX_BATCH)]
-        results = await asyncio.gather(*(self._embed_batch(batch) for batch in batches))
+        results = await asyncio.gather(*(self._embed_batch(batch, timeout) for batch in batches))
         return (np.concatenate([vectors for vectors, _ in results]),
                 np.concatenate([counts for _, counts in results]))
 
-    async def _embed_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    async def _embed_batch(self, texts: list[str], timeout: float | None) -> tuple[np.ndarray, np.ndarray]:
         values = np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
         outputs = [InferRequestedOutput("embedding"), InferRequestedOutput("num_tokens")]
         try:
             result = await self.client.infer(EMBEDDINGS_MODEL, [_tensor("text", values, "BYTES")],
-                                             outputs=outputs)
+                                             outputs=outputs, client_timeout=timeout)
         except InferenceServerException as error:
             status = str(error.status() or "")
             if "UNAVAILABLE" in status:
                 raise ReplicaUnavailable(self.url, error.message()) from None
+            if "DEADLINE_EXCEEDED" in status and timeout is not None:
+                raise RequestTimeout(timeout) from None
             if "DEADLINE_EXCEEDED" in status or "RESOURCE_EXHAUSTED" in status:
                 raise OpenAIError(503, f"Triton is unreachable or overloaded: {error.message()}",
                                   None, "service_unavailable") from None

@@ -1,9 +1,11 @@
 """Shared fixtures: the prepared SmolLM2, one float32 engine reused across tests, and Hugging Face
-transformers on the same weights as the reference."""
+transformers on the same weights as the reference. And the tiers: every test is marked `unit`,
+`engine` or `serving` here, from the fixtures it uses and what its body starts (README, "Tests")."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import pytest
@@ -13,6 +15,37 @@ import torch
 # first imported (transformers may import it early): set it before anything else can.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# The tiers, first match wins: `serving` talks to a real server (tritonserver, the OpenAI frontend),
+# `engine` runs a model (the prepared SmolLM2 or a tiny random one), `kernels` checks a Triton kernel
+# (through the interpreter on a CPU) or a C++ op against its torch reference, `unit` is the rest.
+SERVING_FIXTURES = {"server", "serve", "triton", "frontend", "tight_triton", "tight_frontend", "tritons"}
+ENGINE_FIXTURES = {"model_path", "llm", "tiny_model", "tiny", "tiny_single"}
+STARTS_A_SERVER = ("llm_server(", "TritonServer(", "ServedApp(")
+RUNS_A_MODEL = ("LLM(", "LLMEngine(", "ForCausalLM(", "tiny_model(", "greedy_tokens(")
+KERNEL_FILES = {"test_kernels.py", "test_cpu_ops.py"}
+TIERS = ("unit", "kernels", "engine", "serving")
+
+
+def tier(item: pytest.Item) -> str:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    try:
+        source = inspect.getsource(item.function)
+    except (AttributeError, OSError, TypeError):
+        source = ""
+    if fixtures & SERVING_FIXTURES or any(call in source for call in STARTS_A_SERVER):
+        return "serving"
+    if fixtures & ENGINE_FIXTURES or any(call in source for call in RUNS_A_MODEL):
+        return "engine"
+    if item.path.name in KERNEL_FILES or "kernel" in item.name:
+        return "kernels"
+    return "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(tier(item))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The engine on its own thread: concurrent streams, aborts, shutdown and failure."""
+"""The engine on its own thread: concurrent streams, aborts, shutdown, failure and admission."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import time
 import pytest
 
 from backend import AsyncLLMEngine, EngineConfig, RequestOutputKind, SamplingParams
-from backend.async_engine import EngineDeadError
+from backend.async_engine import EngineDeadError, EngineOverloadedError
+from backend.errors import EngineError
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "北京是中国的首都，它有很多名胜古迹，比如",
            "Once upon a time, in a small village by the sea, there lived an old fisherman who"]
@@ -71,8 +72,8 @@ def test_abort_mid_stream_frees_blocks_and_sends_final(engine):
 
 def test_leaving_a_generate_loop_aborts(engine):
     async def main():
-        async for output in engine.generate("Count to one hundred:", SamplingParams(max_tokens=300, ignore_eos=True,
-                                            output_kind=RequestOutputKind.DELTA), "early"):
+        async for _ in engine.generate("Count to one hundred:", SamplingParams(max_tokens=300, ignore_eos=True,
+                                       output_kind=RequestOutputKind.DELTA), "early"):
             break
     asyncio.run(main())
     wait_idle(engine)
@@ -112,3 +113,48 @@ def test_model_is_loaded_on_the_engine_thread(engine):
 def test_a_model_that_fails_to_load_raises_in_the_caller(tmp_path):
     with pytest.raises(ValueError, match="is not a Hugging Face model folder"):
         AsyncLLMEngine(EngineConfig(model=str(tmp_path), dtype="float32"))
+
+
+# -- admission: max_num_seqs run, max_waiting_requests more samples wait ----------------------------
+@pytest.fixture(scope="module")
+def tight_engine(model_path):
+    engine = AsyncLLMEngine(EngineConfig(model=model_path, dtype="float32", kv_cache_memory_bytes=64 << 20,
+                                         max_num_seqs=4, max_waiting_requests=4))
+    yield engine
+    engine.shutdown()
+
+
+def test_a_burst_into_an_idle_engine_fills_the_run_slots_before_the_queue(tight_engine):
+    accepted, refused = [], []
+    for i in range(32):
+        try:
+            tight_engine.add_request(f"burst{i}", "Hello there", SamplingParams(max_tokens=200, ignore_eos=True),
+                                     lambda output: None)
+            accepted.append(f"burst{i}")
+        except EngineOverloadedError as error:
+            refused.append(error)
+    assert accepted == [f"burst{i}" for i in range(8)], "4 run slots and 4 queue places"
+    assert len(refused) == 24 and refused[0].code == "engine_overloaded"
+    assert "max_waiting_requests=4" in str(refused[0]) and "retry later" in str(refused[0])
+    for request_id in accepted:
+        tight_engine.abort(request_id)
+    wait_idle(tight_engine)
+
+
+def test_n_counts_its_samples_and_an_n_that_can_never_fit_is_invalid(tight_engine):
+    with pytest.raises(EngineError, match="n: at most 8 samples can run or wait at once") as error:
+        tight_engine.add_request("n9", "Hello there", SamplingParams(n=9, max_tokens=4), lambda output: None)
+    assert (error.value.code, error.value.param) == ("invalid_parameter", "n")
+    finals, done = [], threading.Event()
+
+    def on_output(output):
+        if output.finished:
+            finals.append(output)
+            done.set()
+
+    tight_engine.add_request("n8", "Hello there", SamplingParams(n=8, max_tokens=30, ignore_eos=True), on_output)
+    with pytest.raises(EngineOverloadedError):  # 4 samples run, 4 wait: full
+        tight_engine.add_request("one-more", "Hello there", SamplingParams(max_tokens=4), lambda output: None)
+    assert done.wait(60)
+    assert [len(c.token_ids) for c in finals[0].outputs] == [30] * 8
+    wait_idle(tight_engine)

@@ -8,9 +8,12 @@ import sys
 
 import pytest
 
-from tools import bench
-from tools.bench_aiperf import aiperf_command, figures_from_export
-from tools.bench_workloads import make_workload, percentile
+from tools.bench import cli as bench
+from tools.bench import servers
+from tools.bench.external_clients import aiperf_command, figures_from_export
+from tools.bench.report import percentile
+from tools.bench.runners import run_server_mode
+from tools.bench.workloads import make_workload
 
 
 def test_workloads_are_deterministic_and_shaped(tokenizer):
@@ -140,7 +143,7 @@ def test_client_aiperf_runs_the_given_executable_per_concurrency(tmp_path, monke
     args = bench_args("--client", "aiperf", "--aiperf", str(stand_in), "--model", str(tmp_path),
                       "--num-prompts", "16")
     args.concurrency = [4, 16]
-    results = bench.run_server_mode("openai", {"openai": "http://127.0.0.1:9", "model": "llm"}, args, None)
+    results = run_server_mode("openai", {"openai": "http://127.0.0.1:9", "model": "llm"}, args, None)
     assert [(r["concurrency"], r["client"], r["output_tokens_per_s"]) for r in results] == [
         (4, "aiperf 0.13.0", 263.398), (16, "aiperf 0.13.0", 263.398)]
     runs = [json.loads(line) for line in seen.read_text().splitlines()]
@@ -166,7 +169,7 @@ def test_client_vllm_bench_sends_each_run_its_own_cache_salt(tmp_path):
     stand_in.chmod(0o755)
     args = bench_args("--client", "vllm-bench", "--vllm-python", str(stand_in), "--model", str(tmp_path))
     args.concurrency = [8, 64]
-    results = bench.run_server_mode("openai", {"openai": "http://127.0.0.1:9", "model": "llm"}, args, None)
+    results = run_server_mode("openai", {"openai": "http://127.0.0.1:9", "model": "llm"}, args, None)
     assert [(r["concurrency"], r["output_tokens_per_s"]) for r in results] == [(8, 400.0), (64, 400.0)]
     bodies = [json.loads(argv[argv.index("--extra-body") + 1]) for argv in map(json.loads, seen.read_text().splitlines())]
     assert [set(body) for body in bodies] == [{"cache_salt"}] * 2 and bodies[0] != bodies[1]
@@ -184,11 +187,41 @@ def test_stream_interval_reaches_both_servers(tmp_path, monkeypatch):
         commands.append(command)
         raise RuntimeError("not started")  # the command line is all this test needs
 
-    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    monkeypatch.setattr(servers.subprocess, "Popen", popen)
     args = bench_args("--stream-interval", "4", "--model", str(tmp_path), "--vllm-python", sys.executable)
-    for start in (bench.start_tritonllm, bench.start_vllm_serve):
+    for start in (servers.start_tritonllm, servers.start_vllm_serve):
         with pytest.raises(RuntimeError, match="not started"):
             start(args)
     assert [c[c.index("--stream-interval") + 1] for c in commands] == ["4", "4"]
     with pytest.raises(SystemExit, match="--stream-interval"):
         bench.run(bench_args("--stream-interval", "0"))
+
+
+def test_vllm_offline_script_runs_by_path_in_another_python(tmp_path, monkeypatch):
+    # The vLLM venv has no tritonllm: its scripts import only the standard library and vllm. A stand-in
+    # `vllm` on PYTHONPATH answers LLM.generate, so this runs the real script through its file protocol.
+    import ast
+
+    from tools.bench.runners import VLLM_OFFLINE, run_vllm_offline
+    from tools.bench.workloads import Workload
+
+    for script in VLLM_OFFLINE.parent.glob("*.py"):
+        nodes = list(ast.walk(ast.parse(script.read_text())))
+        imported = {alias.name.split(".")[0] for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in nodes if isinstance(node, ast.ImportFrom) and node.module}
+        assert imported <= {"json", "sys", "time", "importlib", "vllm"}, (script.name, imported)
+    fake = tmp_path / "vllm"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "from types import SimpleNamespace as N\n"
+        "class SamplingParams:\n"
+        "    def __init__(self, max_tokens, **_): self.max_tokens = max_tokens\n"
+        "class LLM:\n"
+        "    def __init__(self, model, dtype, seed): assert dtype == 'float32'\n"
+        "    def generate(self, prompts, params):\n"
+        "        return [N(outputs=[N(token_ids=[7] * p.max_tokens)]) for p in params]\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    args = bench_args("--vllm-python", sys.executable, "--model", str(tmp_path), "--dtype", "float32")
+    figures = run_vllm_offline(args, Workload("w", [[1, 2, 3], [4, 5]], [3, 5]))
+    assert figures["output_tokens_per_s"] * figures["seconds"] == pytest.approx(8)
+    assert figures["request_throughput"] * figures["seconds"] == pytest.approx(2)

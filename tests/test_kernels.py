@@ -229,7 +229,7 @@ def test_engine_greedy_tokens_unchanged_on_triton_kernels(tmp_path):
 
 
 def test_cuda_graph_sizes_and_padding():
-    from backend.model_runner import cuda_graph_batch_sizes, padded_batch_size
+    from backend.cuda_graphs import cuda_graph_batch_sizes, padded_batch_size
 
     assert cuda_graph_batch_sizes(256)[:5] == [1, 2, 4, 8, 16] and cuda_graph_batch_sizes(256)[-1] == 256
     assert len(cuda_graph_batch_sizes(256)) == 3 + 32
@@ -243,7 +243,8 @@ def test_cuda_graph_sizes_and_padding():
 
 def test_kv_budget_and_profiling_step():
     from backend.config import EngineConfig
-    from backend.model_runner import gpu_kv_cache_budget, max_step_tokens, profile_sequence_lengths
+    from backend.config import max_step_tokens
+    from backend.kv_memory import gpu_kv_cache_budget, profile_sequence_lengths
 
     gib = 1 << 30
     # 80 GiB GPU at 0.9: 72 GiB, less 3 GiB in use, 2 GiB of activations, the 256 MiB reserve.

@@ -328,14 +328,14 @@ def test_async_client_concurrent_requests(serve, model_name):
 def test_bench_openai_runs_start_with_a_cold_prefix_cache(serve, model_name, tokenizer, monkeypatch):
     # `tritonllm bench`'s own OpenAI client, run twice on one server with the same prompts: each
     # run's cache_salt reaches the engine through the frontend, so neither finds the prompts cached.
-    from tools import bench
-    from tools.bench_workloads import make_workload
+    from tools.bench import runners
+    from tools.bench.workloads import make_workload
 
     monkeypatch.setenv("OPENAI_API_KEY", API_KEY)  # read as `vllm bench serve` reads it
     workload = make_workload("fixed", tokenizer, 4, 0, 48, 3)
     urls = {"openai": serve.url, "model": model_name, "metrics": serve.metrics_url}
     args = argparse.Namespace(concurrency=[4, 4], client="builtin", request_rate=float("inf"), seed=0)
-    results = bench.run_server_mode("openai", urls, args, workload)
+    results = runners.run_server_mode("openai", urls, args, workload)
     assert [(r["failed"], r["prefix_cache_hit_rate"]) for r in results] == [(0, 0.0), (0, 0.0)]
     assert all(r["output_tokens_per_s"] * r["seconds"] == pytest.approx(12) for r in results)
 

@@ -18,6 +18,7 @@ import torch
 
 from backend import LLM, SamplingParams
 from backend.kernels import reference
+from backend.model_paths import resolve_model_path
 from backend.kernels.quant_matmul import quant_matmul  # at collection: Triton's interpreter set up first
 from backend.quantization import awq, detect, fp8, gguf, gptq, int8, weight_bytes
 from backend.quantization.linear import IntLinear, pack_int
@@ -381,9 +382,7 @@ def test_gguf_runs_in_blocks_as_the_model_transformers_dequantizes(gguf_path, ll
 
 def test_gguf_folder_resolves_to_the_same_model(gguf_path, tmp_path):
     (tmp_path / GGUF_NAME).symlink_to(gguf_path)
-    from backend.config import EngineConfig
-
-    assert EngineConfig(model=str(tmp_path)).resolved_model() == EngineConfig(model=gguf_path).resolved_model()
+    assert resolve_model_path(str(tmp_path)) == resolve_model_path(gguf_path)
     with pytest.raises(ValueError, match="'int8' was asked for, but the checkpoint is quantized with 'gguf'"):
         LLM(gguf_path, quantization="int8")
 

@@ -72,7 +72,7 @@ def test_invalid_speculative_config_is_refused(value, message):
 
 
 def test_speculative_config_from_json_text_and_cli_defaults():
-    from backend.spec_decode import SpeculativeConfig
+    from backend.config import SpeculativeConfig
 
     config = EngineConfig.from_dict({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 3, '
                                                           '"prompt_lookup_max": 4}'})

@@ -1,6 +1,6 @@
 """Structured outputs on the real model: JSON schemas, regex, choice, EBNF grammars and json_object
 hold greedy and seeded sampling alike, with n > 1, batch mates and preemption; bad specs are refused
-when the request is added. The OpenAI side (response_format, structured_outputs, the 400s) runs
+when the request is added, and a huge one compiles without holding up other requests. The OpenAI side (response_format, structured_outputs, the 400s) runs
 against a real `tritonllm serve` through the official SDK."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import httpx
 import jsonschema
@@ -16,6 +17,7 @@ import openai
 import pytest
 
 from backend import LLM, SamplingParams
+from backend.errors import EngineError, parse_wire
 from backend.sampling_params import StructuredOutputsParams
 from test_openai_frontend import API_KEY, _no_request_left_running, client, model_name, serve  # noqa: F401
 from test_scheduling import BLOCK_BYTES_FP32
@@ -263,3 +265,63 @@ def test_sdk_raises_bad_request_for_a_bad_schema(client, model_name):
         client.chat.completions.create(
             model=model_name, max_tokens=5, messages=[{"role": "user", "content": "Hi"}],
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/gone"}}})
+
+
+# -- a grammar's cost falls on its own request -----------------------------------------------------
+def test_a_huge_choice_list_compiles_off_the_step_path(llm):
+    """8,000 choices (about 180 KB) take seconds to compile: the engine keeps stepping a concurrent
+    greedy request meanwhile, each step (the add included) within a second of the slowest decode
+    step without a compilation (before it and after), and the huge request waits in the queue, then
+    answers with one of its choices (or, on a machine too busy to compile it in time, a clear error)."""
+    engine = llm.llm_engine
+    choices = [f"option number {i}" for i in range(8000)]
+    engine.add_request("greedy", "The capital of France is",
+                       SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
+
+    def timed(call):
+        started = time.monotonic()
+        result = call()
+        return time.monotonic() - started, result
+
+    engine.step()  # the prompt
+    usual = [timed(engine.step)[0] for _ in range(12)]
+    add_seconds, _ = timed(lambda: engine.add_request(
+        "huge", "Pick one option:", SamplingParams(temperature=0, max_tokens=20, structured_outputs={"choice": choices})))
+    compiled = engine.grammars.submit(StructuredOutputsParams(choice=choices))
+    while_compiling, final = [add_seconds], None
+    while final is None:
+        compiling = not compiled.done()
+        seconds, outputs = timed(engine.step)
+        if compiling:
+            assert any(o.request_id == "greedy" for o in outputs)
+            while_compiling.append(seconds)
+        final = next((o for o in outputs if o.request_id == "huge" and o.finished), None)
+    usual += [timed(engine.step)[0] for _ in range(12)]
+    engine.abort_request("greedy")
+    print(f"\nslowest usual step {max(usual):.3f} s; {len(while_compiling) - 1} steps while the grammar "
+          f"compiled, slowest {max(while_compiling):.3f} s (the add: {add_seconds:.3f} s)")
+    assert len(while_compiling) > 1, "the grammar compiled before the engine stepped again"
+    assert max(while_compiling) - max(usual) < 1.0
+    if final.error is None:
+        assert final.outputs[0].text in choices
+    else:  # a machine too busy to compile it within the bound (compiles run at the lowest priority)
+        assert parse_wire(final.error)[:2] == ("invalid_parameter", "structured_outputs"), final.error
+        assert "did not compile within" in final.error
+
+
+def test_oversized_and_slow_grammars_are_refused_with_a_clear_error(llm):
+    engine = llm.llm_engine
+    too_many = [f"a rather long option, number {i}" for i in range(10000)]  # about 370 KB
+    with pytest.raises(EngineError, match="structured_outputs: the spec is .* bytes; at most") as error:
+        engine.add_request("oversized", "Hi", SamplingParams(structured_outputs={"choice": too_many}))
+    assert error.value.param == "structured_outputs" and not engine.has_unfinished_requests()
+    timeout, engine.grammars.compile_timeout_s = engine.grammars.compile_timeout_s, 0.0
+    try:
+        engine.add_request("slow", "Hi", SamplingParams(structured_outputs={"choice": too_many[:3000]}))
+        outputs = engine.step()
+    finally:
+        engine.grammars.compile_timeout_s = timeout
+    assert [o.request_id for o in outputs] == ["slow"] and outputs[0].finished
+    code, param, message = parse_wire(outputs[0].error)
+    assert (code, param) == ("invalid_parameter", "structured_outputs")
+    assert "did not compile within 0 s" in message and not engine.has_unfinished_requests()

@@ -366,17 +366,17 @@ def test_metrics_carry_vllm_names(server):
 def test_bench_runs_on_one_server_start_with_a_cold_prefix_cache(server, tokenizer, monkeypatch):
     # `tritonllm bench` sends the same prompts in every served run on one server (each mode and
     # concurrency): each run's own cache_salt keeps the next from finding them cached.
-    from tools import bench
-    from tools.bench_workloads import make_workload
+    from tools.bench import runners
+    from tools.bench.workloads import make_workload
 
     workload = make_workload("fixed", tokenizer, 4, 0, 48, 2)
     urls = {"grpc": server.grpc_url, "metrics": server.metrics_url}
     args = argparse.Namespace(concurrency=[4, 4], client="builtin", request_rate=float("inf"), seed=0)
-    results = bench.run_server_mode("triton", urls, args, workload)
+    results = runners.run_server_mode("triton", urls, args, workload)
     assert [(r["requests"], r["failed"], r["prefix_cache_hit_rate"]) for r in results] == [(4, 0, 0.0), (4, 0, 0.0)]
     # The same salt twice: the second run finds the first's full blocks, and the bench reports it.
-    monkeypatch.setattr(bench.uuid, "uuid4", lambda: uuid.UUID(int=0))
-    first, second = bench.run_server_mode("triton", urls, args, workload)
+    monkeypatch.setattr(runners.uuid, "uuid4", lambda: uuid.UUID(int=0))
+    first, second = runners.run_server_mode("triton", urls, args, workload)
     assert first["prefix_cache_hit_rate"] == 0.0 and second["prefix_cache_hit_rate"] > 0.5
 
 

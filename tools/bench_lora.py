@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from backend import LoRARequest
     from backend.engine import load_tokenizer
-    from backend.model_runner import load_hf_config
-    from tools.bench_workloads import make_workload
+    from backend.model_loader import load_hf_config
+    from tools.bench.workloads import make_workload
     from tools.prepare_model import prepare_model
 
     args.model = args.model or str(prepare_model())

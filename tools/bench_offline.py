@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from tools import bench
+from tools.bench import cli as bench
 
 
 def main() -> int:

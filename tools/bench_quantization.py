@@ -47,10 +47,11 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from backend.config import EngineConfig
-    from tools.bench_workloads import make_workload
+    from backend.model_paths import resolve_model_path
+    from tools.prepare_model import prepare_model
+    from tools.bench.workloads import make_workload
 
-    model = EngineConfig(model=args.model).resolved_model()
+    model = resolve_model_path(args.model) if args.model else str(prepare_model())
     workload = make_workload("fixed", AutoTokenizer.from_pretrained(model), args.num_prompts,
                              input_len=args.input_len, output_len=args.output_len)
     dtypes = args.dtypes.split(",")

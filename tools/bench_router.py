@@ -1,7 +1,7 @@
 """`python -m tools.bench_router`: one OpenAI frontend over one or two Triton replicas on this machine.
 
-Two measurements, both streamed through /v1/completions with token-id prompts (tools/bench.py's
-client), the frontend in a process of its own:
+Two measurements, both streamed through /v1/completions with token-id prompts (`tritonllm bench`'s
+client, tools/bench/clients.py), the frontend in a process of its own:
 
 - scale-out: throughput and TTFT of the `fixed` workload against 1 replica and against 2
   (least-outstanding routing). Replicas on one machine share its cores, so the gain is bounded by
@@ -23,11 +23,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from tools.bench import openai_requests, stop, summarize, wait_http
-from tools.bench_workloads import Workload, _text_tokens, make_workload
+from tools.bench.clients import openai_requests, read_metrics
+from tools.bench.report import counters_difference, fmt, run_counters, summarize
+from tools.bench.servers import stop, wait_http
+from tools.bench.workloads import Workload, make_workload, text_tokens
 from tools.triton_server import TritonServer, free_port, write_model_repository
 
 ROUTINGS = ("round-robin", "least-outstanding", "prefix")
@@ -64,11 +65,8 @@ def counters(replicas: list[TritonServer]) -> dict[str, float]:
     time.sleep(1.2)  # the llm model publishes its metrics every 0.5 s
     totals: dict[str, float] = {}
     for replica in replicas:
-        with urllib.request.urlopen(replica.metrics_url, timeout=10) as response:
-            for line in response.read().decode().splitlines():
-                if line.startswith("vllm:") and "_total{" in line:
-                    name = line.split("{")[0]
-                    totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        for name, value in read_metrics(replica.metrics_url, timeout=10).items():
+            totals[name] = totals.get(name, 0.0) + value
     return totals
 
 
@@ -78,8 +76,8 @@ def per_replica_requests(replicas: list[TritonServer]) -> list[int]:
 
 def system_prompt_workload(tokenizer, seed: int, output_len: int) -> Workload:
     rng = random.Random(seed)
-    systems = [_text_tokens(tokenizer, rng, 256) for _ in range(4)]
-    prompts = [system + _text_tokens(tokenizer, rng, rng.randint(16, 32)) for system in systems for _ in range(16)]
+    systems = [text_tokens(tokenizer, rng, 256) for _ in range(4)]
+    prompts = [system + text_tokens(tokenizer, rng, rng.randint(16, 32)) for system in systems for _ in range(16)]
     rng.shuffle(prompts)
     return Workload("system-prompts", prompts, [output_len] * len(prompts))
 
@@ -144,12 +142,11 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     stop(frontend)
                 after, after_split = counters(replicas), per_replica_requests(replicas)
-                hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
-                queries = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
+                hit_rate = counters_difference(run_counters(before), run_counters(after))["prefix_cache_hit_rate"]
                 split = [a - b for a, b in zip(after_split, before_split)]
-                summary.update(prefix_cache_hit_rate=hits / queries, requests_per_replica=split)
+                summary.update(prefix_cache_hit_rate=hit_rate, requests_per_replica=split)
                 results[f"routing={routing}"] = summary
-                print(row(routing, summary, f"{hits / queries:.3f}  (requests per replica {split})"), flush=True)
+                print(row(routing, summary, f"{fmt(hit_rate, 3)}  (requests per replica {split})"), flush=True)
     finally:
         for replica in replicas:
             replica.stop()

@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     from tools.quantize import add_arguments as add_quantize_arguments
     add_quantize_arguments(quantize)
 
+    import tools.bench
+    from tools.bench.cli import add_arguments as add_bench_arguments
     bench = commands.add_parser("bench", help="throughput and latency against the baselines, in one run",
-                                description=__import__("tools.bench").bench.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    from tools.bench import add_arguments as add_bench_arguments
+                                description=tools.bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_arguments(bench)
 
     args = parser.parse_args(argv)
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         from tools.quantize import run as run_quantize
         return run_quantize(args)
     if args.command == "bench":
-        from tools.bench import run
-        return run(args)
+        from tools.bench.cli import run as run_bench
+        return run_bench(args)
     return 2
 
 

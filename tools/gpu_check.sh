@@ -106,7 +106,7 @@ import sys
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from tools.bench_workloads import WORDS
+from tools.bench.workloads import WORDS
 
 config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
@@ -129,7 +129,7 @@ import json, sys, time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from backend import LLM, SamplingParams
-from tools.bench_workloads import make_workload
+from tools.bench.workloads import make_workload
 
 model_path, result_path = sys.argv[1], sys.argv[2]
 workload = make_workload("fixed", AutoTokenizer.from_pretrained(model_path), 64, 0, 128, 128)

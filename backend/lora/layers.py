@@ -58,7 +58,7 @@ class LoRABatch:
             return None
         table = torch.tensor([[s, e - s, slot] for s, e, slot in segments], dtype=torch.int32).T.contiguous()
         table = table.to(device)
-        return cls([tuple(s) for s in segments], table[0], table[1], table[2],
+        return cls([(s, e, slot) for s, e, slot in segments], table[0], table[1], table[2],
                    max(e - s for s, e, _ in segments))
 
 

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from backend import distributed, ops
+from backend import ops, parallel_state
 from backend.attention import AttentionMetadata
-from backend.distributed import ParallelState
+from backend.parallel_state import ParallelState
 
 
 @dataclass
@@ -145,7 +145,7 @@ class Attention(nn.Module):
                                     k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = self.o_proj(ops.paged_attention(q, k, v, kv_cache, meta, self.scale))
-        return distributed.all_reduce(out, self.parallel)
+        return parallel_state.all_reduce(out, self.parallel)
 
 
 class MLP(nn.Module):
@@ -159,7 +159,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return distributed.all_reduce(self.down_proj(ops.linear_silu_and_mul(self.gate_up_proj, x)), self.parallel)
+        return parallel_state.all_reduce(self.down_proj(ops.linear_silu_and_mul(self.gate_up_proj, x)), self.parallel)
 
 
 class DecoderLayer(nn.Module):
@@ -223,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.vocab_per_rank)
         x = self.embed_tokens(local.clamp(0, self.vocab_per_rank - 1)) * mine.unsqueeze(-1)
-        return distributed.all_reduce(x, self.parallel)
+        return parallel_state.all_reduce(x, self.parallel)
 
     def run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                   meta: AttentionMetadata, hidden: torch.Tensor | None = None,
@@ -247,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [rows, vocab] on tensor rank 0 (None on the others)."""
-        logits = distributed.gather_last_dim(self.lm_head(hidden).float(), self.parallel)
+        logits = parallel_state.gather_last_dim(self.lm_head(hidden).float(), self.parallel)
         return None if logits is None else logits[:, :self.args.vocab_size]
 
     # Hugging Face checkpoint names -> ours. Separate q/k/v and gate/up are fused on load.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -15,7 +16,7 @@ from openai_frontend.generation import (Choices, check_stream_options, log_compl
                                         replay, sampling_parameters, sse_stream, start, structured_outputs,
                                         unless_disconnected)
 from openai_frontend.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                     ChatLogprobs, ChatMessage, ErrorResponse, TokenLogprob, TopLogprob)
+                                     ChatLogprobs, ChatMessage, ErrorResponse, TokenLogprob, ToolCallOut, TopLogprob)
 from openai_frontend.tool_parsers import PARSERS, ToolPlan
 from openai_frontend.triton import TokenLogprob as SampledLogprob
 
@@ -34,7 +35,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
                     raise invalid(f"messages[{i}].content[{j}]",
                                   f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}")
             content = "\n".join(part.text for part in content)
-        entry = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+        entry: dict = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
         for j, call in enumerate(message.tool_calls or ()):
             param = f"messages[{i}].tool_calls[{j}].function.arguments"
             try:
@@ -53,7 +54,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
 
 def tool_plan(body: ChatCompletionRequest, parser: str) -> ToolPlan:
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
-    choice = body.tool_choice
+    choice: Any = body.tool_choice
     if choice not in (None, "none") and not tools:
         raise invalid("tool_choice", "tool_choice: needs tools")
     if choice is not None and not isinstance(choice, str):
@@ -150,7 +151,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     def answer(index: int, choice) -> ChatChoice:
         content, calls = plan.read(choice.text)
         message = AssistantMessage(content=(content.strip() or None) if calls else content,
-                                   tool_calls=[call.message() for call in calls] or None)
+                                   tool_calls=[ToolCallOut.model_validate(call.message()) for call in calls] or None)
         return ChatChoice(index=index, message=message, finish_reason=plan.finish_reason(calls, choice.finish_reason),
                           logprobs=chat_logprobs(choice.logprobs, top_logprobs) if top_logprobs is not None else None)
 

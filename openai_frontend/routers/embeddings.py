@@ -19,7 +19,7 @@ MAX_INPUTS = 2048  # OpenAI's limit per request
 async def create_embeddings(body: EmbeddingRequest, raw_request: Request):
     frontend = raw_request.app.state.frontend
     frontend.check_embeddings_model(body.model)
-    texts = [body.input] if isinstance(body.input, str) else list(body.input)
+    texts: list = [body.input] if isinstance(body.input, str) else list(body.input)
     if not texts:
         raise invalid("input", "input: must not be empty")
     if len(texts) > MAX_INPUTS:

@@ -1,5 +1,6 @@
-"""GET /health (the LLM ready on at least one Triton replica), /metrics (the frontend's own, with
-per-replica readiness and load), /version."""
+"""GET /health and /health/ready (the LLM ready on at least one Triton replica: loaded, and its
+process answering the background probe), /health/live (the frontend itself answers), /metrics (the
+frontend's own, with per-replica readiness and load), /version."""
 
 from __future__ import annotations
 
@@ -21,9 +22,18 @@ def package_version() -> str:
 
 
 @router.get("/health")
+@router.get("/health/ready")
 async def health(raw_request: Request):
+    """Readiness: answered from the last background check (every 2 s), never by calling Triton, so
+    probing it is free and cannot hang."""
     if not await raw_request.app.state.frontend.triton.model_ready(LLM_MODEL):
         raise OpenAIError(503, f"the `{LLM_MODEL}` model is not ready on any Triton replica", None, "model_unavailable")
+    return Response(status_code=200)
+
+
+@router.get("/health/live")
+async def live():
+    """Liveness: the frontend's event loop answers (restart the frontend only when this fails)."""
     return Response(status_code=200)
 
 

@@ -25,12 +25,16 @@ def model_folder(configured: str) -> Path:
     if configured:
         return Path(configured).expanduser()
     try:
-        from tools.prepare_embeddings import prepare_embeddings
+        from backend.model_paths import EMBEDDINGS_MODEL_FILES, default_embeddings_dir, is_prepared
     except ImportError as error:  # the stub runs an isolated Python: PYTHONPATH does not count
         raise ImportError("tritonllm is not importable by Triton's Python stub; install it into the "
                           "Python that runs tritonserver (pip install -e .), or set the model's "
                           "`model` parameter to a sentence-transformers folder") from error
-    return prepare_embeddings()
+    folder = default_embeddings_dir()
+    if not is_prepared(folder, EMBEDDINGS_MODEL_FILES):  # fetched by `tritonllm serve`, never while loading
+        raise ValueError(f"model: the embeddings model is not prepared in {folder} "
+                         "(run `python -m tools.prepare_embeddings`)")
+    return folder
 
 
 class SentenceEncoder:

@@ -30,6 +30,7 @@ import triton_python_backend_utils as pb_utils
 try:
     from backend import AsyncLLMEngine, EngineConfig, RequestOutput
     from backend.async_engine import EngineDeadError, EngineOverloadedError
+    from backend.errors import parse_wire
 except ImportError as error:  # the stub runs an isolated Python: PYTHONPATH does not count
     raise ImportError("tritonllm's `backend` package is not importable by Triton's Python stub; "
                       "install it into the Python that runs tritonserver (pip install -e .)") from error
@@ -221,6 +222,9 @@ class TritonPythonModel:
         if isinstance(item, pb_utils.TritonError):
             return self._finish(job, pb_utils.InferenceResponse(error=item))
         output = item
+        if output.error is not None and parse_wire(output.error)[0] is not None:  # refused once queued
+            error = pb_utils.TritonError(output.error, pb_utils.TritonError.INVALID_ARG)  # (a grammar)
+            return self._finish(job, pb_utils.InferenceResponse(error=error))
         if output.error is not None:  # a failed step: this request is lost, maybe the engine too
             if self.engine.errored:
                 self._on_engine_failure(output.error)

@@ -39,7 +39,7 @@ class Workload:
         return sum(self.output_lens)
 
 
-def _text_tokens(tokenizer, rng: random.Random, length: int) -> list[int]:
+def text_tokens(tokenizer, rng: random.Random, length: int) -> list[int]:
     text = " ".join(rng.choice(WORDS) for _ in range(length * 2))
     return tokenizer(text, add_special_tokens=False).input_ids[:length]
 
@@ -49,27 +49,31 @@ def make_workload(name: str, tokenizer, num_prompts: int, seed: int = 0, input_l
     rng = random.Random(seed)
     if name == "fixed":
         spread = input_len // 8
-        prompts = [_text_tokens(tokenizer, rng, rng.randint(input_len - spread, input_len + spread))
+        prompts = [text_tokens(tokenizer, rng, rng.randint(input_len - spread, input_len + spread))
                    for _ in range(num_prompts)]
         return Workload(name, prompts, [output_len] * num_prompts)
     if name == "shared-prefix":
-        system = _text_tokens(tokenizer, rng, 1000)
-        prompts = [system + _text_tokens(tokenizer, rng, rng.randint(32, 64)) for _ in range(num_prompts)]
+        system = text_tokens(tokenizer, rng, 1000)
+        prompts = [system + text_tokens(tokenizer, rng, rng.randint(32, 64)) for _ in range(num_prompts)]
         return Workload(name, prompts, [output_len] * num_prompts)
     if name == "mixed":
         prompts, outputs = [], []
         for _ in range(num_prompts):
             prompt_len = int(min(1024, max(16, math.exp(rng.gauss(math.log(200), 0.8)))))
-            prompts.append(_text_tokens(tokenizer, rng, prompt_len))
+            prompts.append(text_tokens(tokenizer, rng, prompt_len))
             outputs.append(int(min(512, max(8, math.exp(rng.gauss(math.log(150), 0.7))))))
         return Workload(name, prompts, outputs)
     raise ValueError(f"workload: one of {', '.join(WORKLOADS)}, got {name!r}")
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = (len(ordered) - 1) * q / 100
-    low, high = math.floor(index), math.ceil(index)
-    return ordered[low] + (ordered[high] - ordered[low]) * (index - low)
+def warm_up_prompts(workload: Workload) -> list[list[int]]:
+    """Two prompts of the workload's lengths that share no prefix with its prompts (reversed), so that
+    warming up leaves nothing in the prefix cache for the measured run to find."""
+    return [prompt[::-1] for prompt in workload.prompts[:2]]
+
+
+def resolved_model(args) -> str:
+    """The model folder of `--model` (default: the prepared SmolLM2), whose tokenizer makes the prompts."""
+    from backend.model_paths import resolve_model_path
+    from tools.prepare_model import prepare_model
+    return resolve_model_path(args.model) if args.model else str(prepare_model())

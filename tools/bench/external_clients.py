@@ -1,8 +1,7 @@
-"""`tritonllm bench --client aiperf`: NVIDIA's aiperf as a second-opinion client for the served
-modes. Builds its command line for the bench's workload and reads its JSON export
-(profile_export_aiperf.json) into the figures the bench reports for every client.
-
-aiperf lives in a venv of its own (tools/setup_aiperf.sh), so this module only runs it.
+"""Other programs as the client of the served modes, each given the bench's workload and read back
+into the figures the bench reports for every client: `--client vllm-bench` runs vLLM's own
+`vllm bench serve` from the vLLM venv, `--client aiperf` NVIDIA's aiperf (a second opinion, from
+its own venv, tools/setup_aiperf.sh). Both live in venvs of their own, so this module only runs them.
 """
 
 from __future__ import annotations
@@ -15,6 +14,37 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tools.bench.servers import vllm_environment
+
+VLLM_COMMAND = Path(__file__).with_name("vllm_scripts") / "vllm_command.py"
+
+
+def run_vllm_bench_client(urls: dict, args, concurrency: int, tokenizer: str, cache_salt: str) -> dict:
+    """One `vllm bench serve` run against an OpenAI-compatible server; its figures in our names."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [args.vllm_python, str(VLLM_COMMAND), "bench", "serve", "--backend", "openai",
+                   "--base-url", urls["openai"], "--endpoint", "/v1/completions", "--model", urls["model"],
+                   "--tokenizer", tokenizer, "--dataset-name", "random",
+                   "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+                   "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate),
+                   "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(args.seed),
+                   "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+                   "--extra-body", json.dumps({"cache_salt": cache_salt}),
+                   "--save-result", "--result-dir", tmp, "--result-filename", "result.json"]
+        subprocess.run(command, check=True, env=vllm_environment(args), stdout=sys.stderr)
+        figures = json.loads((Path(tmp) / "result.json").read_text())
+    summary = {"output_tokens_per_s": figures["output_throughput"],
+               "request_throughput": figures["request_throughput"],
+               "input_tokens_per_s": figures.get("total_input_tokens", 0) / figures["duration"],
+               "client": "vllm bench serve"}
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for p in (50, 90, 99):
+            value = figures.get(f"p{p}_{metric}_ms", figures.get(f"median_{metric}_ms") if p == 50 else None)
+            summary[f"{'e2e' if metric == 'e2el' else metric}_p{p}_ms"] = value
+    return summary
+
+
+# -- aiperf ----------------------------------------------------------------------------------------
 EXPORT = "profile_export_aiperf.json"
 
 # Our names for aiperf's record metrics. aiperf's `inter_token_latency` is per request,

@@ -1,0 +1,144 @@
+"""KV-cache memory: how many blocks fit (a measured budget on a GPU, what the model and max_num_seqs
+need on a CPU) and the cache and swap tensors themselves, one per layer, shaped
+[2 (key, value), kv heads, blocks, block_size, head_dim].
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from backend.config import EngineConfig, max_step_tokens
+from backend.errors import check
+
+# The CPU default holds max_num_seqs sequences of this many tokens (of max_model_len, if shorter;
+# and at least one of max_model_len)...
+CPU_DEFAULT_SEQUENCE_TOKENS = 2048
+# ...and never more than this, nor more than a quarter of the free memory.
+CPU_DEFAULT_LIMIT_BYTES = 4 << 30
+HUGE_PAGE = 2 << 20
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """The shape of one layer's cache, less the number of blocks."""
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes across every layer (keys and values)."""
+        element = torch.finfo(self.dtype).bits // 8
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return 2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim
+
+
+def available_memory_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_kv_cache_budget(layout: KVCacheLayout, max_num_seqs: int, max_model_len: int,
+                        available: int) -> int:
+    """The CPU default: room for max_num_seqs sequences of min(max_model_len, 2048) tokens (and for
+    one of max_model_len), capped at min(4 GiB, a quarter of the free memory)."""
+    blocks_per_seq = -(-min(max_model_len, CPU_DEFAULT_SEQUENCE_TOKENS) // layout.block_size)
+    needed = max(max_num_seqs * blocks_per_seq, -(-max_model_len // layout.block_size)) * layout.block_bytes
+    return min(needed, CPU_DEFAULT_LIMIT_BYTES, available // 4)
+
+
+def gpu_kv_cache_budget(total: int, free: int, peak_step_bytes: int, utilization: float,
+                        reserve: int = 256 << 20) -> int:
+    """Bytes left for KV blocks: the utilization share of the GPU, less what is in use now
+    (weights, the CUDA context, other processes), the largest step's activations (measured by
+    the profiling pass) and a reserve for the CUDA graphs' pool and allocator slack."""
+    return int(total * utilization) - (total - free) - peak_step_bytes - reserve
+
+
+def profile_sequence_lengths(num_tokens: int, max_model_len: int) -> list[int]:
+    """The profiling step: num_tokens of prefill in sequences no longer than max_model_len."""
+    full, rest = divmod(num_tokens, max_model_len)
+    return [max_model_len] * full + ([rest] if rest else [])
+
+
+def kv_cache_budget(config: EngineConfig, layout: KVCacheLayout, model, args, dtype: torch.dtype,
+                    device: torch.device, world_size: int, max_model_len: int) -> int:
+    """Bytes for the KV cache on this rank: the config's, else what the device allows."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if device.type == "cpu":
+        return cpu_kv_cache_budget(layout, config.max_num_seqs, max_model_len, available_memory_bytes())
+    step_tokens = max_step_tokens(config, max_model_len)
+    if world_size > 1:
+        # No profiling pass across ranks: hold back a generous share for the activations.
+        peak = 64 * step_tokens * args.hidden_size * 4
+    else:
+        from backend.cuda_graphs import profile_step_memory
+
+        peak = profile_step_memory(model, args, dtype, device, layout.block_size,
+                                   profile_sequence_lengths(step_tokens, max_model_len), config.max_num_seqs)
+    free, total = torch.cuda.mem_get_info(device)
+    return gpu_kv_cache_budget(total, free, peak, config.gpu_memory_utilization)
+
+
+def num_kv_blocks(config: EngineConfig, layout: KVCacheLayout, budget: int, device: torch.device) -> int:
+    """Blocks that fit in the budget; a clear error naming the knob when not even one does."""
+    knob = ("gpu_memory_utilization" if device.type == "cuda" and config.kv_cache_memory_bytes is None
+            else "kv_cache_memory_bytes")
+    num_blocks = budget // layout.block_bytes
+    check(num_blocks >= 1, knob, f"leaves {budget} bytes for the KV cache, which hold no block "
+          f"(one block takes {layout.block_bytes} bytes)")
+    return int(num_blocks)
+
+
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in an anonymous mapping, which the kernel fills with zeros page by page on first touch:
+    the CPU cache takes resident memory only as blocks are used (torch.zeros writes every page at
+    once). The mapping asks for 2 MiB pages (transparent huge pages in "madvise" mode need the ask
+    before the first touch): attention reads small blocks scattered over hundreds of MB, and with
+    4 KiB pages nearly each one misses the TLB."""
+    num_bytes = math.prod(shape) * (torch.finfo(dtype).bits // 8)
+    mapping = mmap.mmap(-1, max(num_bytes, 1))
+    start = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+    first = -(-start // HUGE_PAGE) * HUGE_PAGE - start  # offsets of the aligned huge pages inside
+    last = (start + num_bytes) // HUGE_PAGE * HUGE_PAGE - start
+    if last > first and hasattr(mapping, "madvise"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE, first, last - first)
+        except (OSError, AttributeError):  # a hint: kernels without THP refuse it
+            pass
+    # frombuffer keeps the mapping alive as long as the tensor.
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes).view(dtype).view(shape)
+
+
+def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+    if device.type == "cpu":
+        return [untouched_zeros(layout.shape(num_blocks), layout.dtype) for _ in range(layout.num_layers)]
+    return [torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, device=device)
+            for _ in range(layout.num_layers)]
+
+
+def allocate_swap_caches(config: EngineConfig, layout: KVCacheLayout,
+                         device: torch.device) -> tuple[int, list[torch.Tensor]]:
+    """Swap space for preemption_mode=swap: host memory (pinned when the cache is on a GPU)."""
+    if config.preemption_mode != "swap":
+        return 0, []
+    num_blocks = int(config.swap_space * (1 << 30)) // layout.block_bytes
+    pin = device.type == "cuda"
+    return num_blocks, [torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, pin_memory=pin)
+                        for _ in range(layout.num_layers)]
