@@ -3,8 +3,8 @@
 The engine keeps cumulative readings; Triton's metrics only move forward (counters increment,
 histograms observe), so each update applies the difference since the previous reading. Counters
 get Prometheus' `_total` suffix, as vLLM exports them: `vllm:prompt_tokens_total`. An info gauge
-(`vllm:lora_requests_info`) carries its reading's labels: when they change, its series is replaced
-by one with the new labels.
+(`vllm:lora_requests_info`) carries its reading's labels: each new set of labels is a new series
+whose value is the time it was set, and the latest series is the current state (as vLLM exports it).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class MetricsExporter:
         self.metrics = {}
         self.previous = {}
         self.labels = labels
+        self.info_series: dict[tuple, object] = {}  # (name, labels) -> an info gauge's series
         # pb_utils gains MetricFamily only once the stub runs, so look the kinds up here.
         kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
                  "histogram": pb_utils.MetricFamily.HISTOGRAM}
@@ -42,10 +43,11 @@ class MetricsExporter:
             if metric is None:
                 continue
             before = self.previous[reading.name]
-            if reading.labels and (before is None or before.labels != reading.labels):
-                del self.metrics[reading.name]  # drop the old series before making the new one
-                metric = self.metrics[reading.name] = self.families[reading.name].Metric(
-                    labels={**self.labels, **reading.labels})
+            if reading.labels:
+                key = (reading.name, tuple(sorted(reading.labels.items())))
+                if key not in self.info_series:
+                    self.info_series[key] = self.families[reading.name].Metric(labels={**self.labels, **reading.labels})
+                metric = self.info_series[key]
             if reading.kind == "gauge":
                 metric.set(reading.value)
             elif reading.kind == "counter":
@@ -58,6 +60,7 @@ class MetricsExporter:
             self.previous[reading.name] = reading
 
     def close(self) -> None:
+        self.info_series.clear()
         self.metrics.clear()
         self.families.clear()
 
