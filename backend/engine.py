@@ -23,7 +23,7 @@ from backend.model_paths import resolve_model_path
 from backend.model_runner import ModelRunner
 from backend.output_processor import ChildState, OutputProcessor, ParentRequest, SampledTokens, make_output
 from backend.detokenizer import IncrementalDetokenizer
-from backend.errors import check
+from backend.errors import CONTEXT_LENGTH_EXCEEDED, KV_CACHE_TOO_SMALL, EngineError, check
 from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus
 from backend.sampling import Sampler
@@ -93,11 +93,11 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: text prompts need a tokenizer (skip_tokenizer_init is set)")
+                raise EngineError("prompt", "text prompts need a tokenizer (skip_tokenizer_init is set)")
             return prompt, self.tokenizer(prompt).input_ids
         ids = list(prompt)
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
+            raise EngineError("prompt", f"token ids must be integers in [0, {self.vocab_size})")
         return None, ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -120,18 +120,20 @@ class LLMEngine:
         params.validate_for_model(self.vocab_size)
         prompt_text, prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
-            raise ValueError("prompt: must not be empty")
+            raise EngineError("prompt", "must not be empty")
         num_prompt = len(prompt_ids)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - num_prompt
         if num_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens; the "
-                             f"request asks for {num_prompt + params.max_tokens} ({num_prompt} in the "
-                             f"prompt, {params.max_tokens} max_tokens). Shorten the prompt or max_tokens.")
+            raise EngineError(None, f"This model's maximum context length is {self.max_model_len} tokens; "
+                              f"the request asks for {num_prompt + params.max_tokens} ({num_prompt} in the "
+                              f"prompt, {params.max_tokens} max_tokens). Shorten the prompt or max_tokens.",
+                              CONTEXT_LENGTH_EXCEEDED, max_model_len=self.max_model_len,
+                              prompt_tokens=num_prompt, max_tokens=params.max_tokens)
         needed = self.kv_cache.blocks_needed(num_prompt + params.max_tokens)
         if needed > self.kv_cache.num_blocks:
-            raise ValueError(f"the request needs {needed} KV-cache blocks but only "
-                             f"{self.kv_cache.num_blocks} exist; raise kv_cache_memory_bytes")
+            raise EngineError("max_tokens", f"the request needs {needed} KV-cache blocks but only "
+                              f"{self.kv_cache.num_blocks} exist; raise kv_cache_memory_bytes", KV_CACHE_TOO_SMALL)
         params.all_stop_token_ids = self.eos_token_ids | set(params.stop_token_ids or ())
         # Checked now, compiled on the grammar pool: the request waits in the queue meanwhile.
         grammar = self.grammars.submit(params.structured_outputs) if params.structured_outputs else None

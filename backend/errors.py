@@ -1,7 +1,8 @@
 """Errors a client caused or can act on: a stable code, the parameter concerned, and one message
 format (`param: what is wrong (got value)`). They cross the Triton boundary as text with a trailing
-tag (`... [code=invalid_parameter param=top_p]`) that the frontend reads back, so nothing downstream
-matches on wording. Imports nothing from the rest of `backend/`.
+tag (`... [code=invalid_parameter param=top_p]`, plus any numeric details: `max_model_len=2048`)
+that the frontend reads back, so nothing downstream matches on wording. Imports nothing from the
+rest of `backend/`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ MODEL_UNAVAILABLE = "model_unavailable"
 NOT_FOUND = "not_found"
 
 _MISSING = object()
-_TAG = re.compile(r"\s*\[code=(?P<code>[a-z_]+)(?: param=(?P<param>[^\]\s]+))?\]\s*$")
+_TAG = re.compile(r"\s*\[code=(?P<code>[a-z_]+)(?: param=(?P<param>[^\]\s=]+))?"
+                  r"(?P<details>(?: [a-z_]+=-?\d+)*)\]\s*$")
 
 
 class EngineError(ValueError):
@@ -32,9 +34,11 @@ class EngineError(ValueError):
         self.param, self.code, self.details = param, code, details
 
     def wire(self) -> str:
-        """The message with its tag, for a Triton error."""
+        """The message with its tag, for a Triton error; integer details ride along."""
         param = f" param={self.param}" if self.param else ""
-        return f"{self} [code={self.code}{param}]"
+        details = "".join(f" {k}={v}" for k, v in self.details.items()
+                          if isinstance(v, int) and not isinstance(v, bool))
+        return f"{self} [code={self.code}{param}{details}]"
 
 
 def check(ok: bool, param: str | None, message: str, value: Any = _MISSING,
@@ -50,3 +54,10 @@ def parse_wire(text: str) -> tuple[str | None, str | None, str]:
     if match is None:
         return None, None, text.strip()
     return match.group("code"), match.group("param"), text[:match.start()].strip()
+
+
+def wire_details(text: str) -> dict[str, int]:
+    """The integer details of a tagged message (empty when it carries none)."""
+    match = _TAG.search(text)
+    pairs = match.group("details").split() if match else []
+    return {key: int(value) for key, value in (pair.split("=") for pair in pairs)}

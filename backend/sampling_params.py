@@ -9,6 +9,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from backend.config import cast_value, json_object_option
+from backend.errors import EngineError, check
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's and vLLM's bound
+MAX_JSON_DEPTH = 64  # nesting of a JSON option (a schema, sampling_parameters): deeper is refused
 
 
 class RequestOutputKind(enum.Enum):
@@ -34,24 +38,22 @@ class StructuredOutputsParams:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
-            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar, "
-                             f"json_object; got {kinds or 'none'}")
+            raise EngineError("structured_outputs", "give exactly one of json, regex, choice, grammar, "
+                              f"json_object; got {kinds or 'none'}")
         if isinstance(self.json, str):
-            try:
-                self.json = json.loads(self.json)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"structured_outputs: json is not valid JSON ({error})") from None
+            self.json = parse_json(self.json, "structured_outputs")
         if self.json is not None and not isinstance(self.json, dict):
-            raise ValueError(f"structured_outputs: json must be a JSON schema object, got {self.json!r:.80}")
+            raise EngineError("structured_outputs", f"json must be a JSON schema object, got {self.json!r:.80}")
+        check_json_depth(self.json, "structured_outputs")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs: {name} must be a non-empty string")
-        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
-                                        or not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError("structured_outputs: choice must be a list of non-empty strings")
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError("structured_outputs: disable_any_whitespace must be a boolean")
+            check(value is None or (isinstance(value, str) and bool(value)), "structured_outputs",
+                  f"{name} must be a non-empty string")
+        check(self.choice is None or (isinstance(self.choice, list) and bool(self.choice)
+                                      and all(isinstance(c, str) and c for c in self.choice)),
+              "structured_outputs", "choice must be a list of non-empty strings")
+        check(isinstance(self.disable_any_whitespace, bool), "structured_outputs",
+              "disable_any_whitespace must be a boolean")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -102,58 +104,62 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        check(isinstance(self.stop, (list, tuple, type(None))), "stop", "must be a string or a list of strings",
+              self.stop)
         self.stop = [s for s in (self.stop or []) if s] or None
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            self.logit_bias = token_biases(self.logit_bias)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
-        def check(ok: bool, name: str, message: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
-
         integers = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed", "stream_interval")
         for name in integers:
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
+            check(value is None or (isinstance(value, int) and not isinstance(value, bool)), name,
+                  "must be an integer", value)
         numbers = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty")
         for name in numbers:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        check(self.n >= 1, "n", "must be at least 1")
-        check(self.n <= 128, "n", "must be at most 128")
-        check(self.temperature >= 0.0, "temperature", "must be non-negative")
-        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        check(self.top_k >= 0, "top_k", "must be 0 or -1 (disable), or at least 1")
-        check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
-        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        check(self.repetition_penalty > 0.0, "repetition_penalty", "must be greater than zero")
-        check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1")
-        check(self.min_tokens >= 0, "min_tokens", "must be non-negative")
-        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            check(not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value),
+                  name, "must be a finite number", value)
+
+        def bound(ok: bool, name: str, message: str) -> None:
+            check(ok, name, message, getattr(self, name))
+
+        bound(self.n >= 1, "n", "must be at least 1")
+        bound(self.n <= 128, "n", "must be at most 128")
+        bound(self.temperature >= 0.0, "temperature", "must be non-negative")
+        bound(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        bound(self.top_k >= 0, "top_k", "must be 0 or -1 (disable), or at least 1")
+        bound(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        bound(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        bound(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        bound(self.repetition_penalty > 0.0, "repetition_penalty", "must be greater than zero")
+        bound(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1")
+        bound(self.min_tokens >= 0, "min_tokens", "must be non-negative")
+        bound(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               "min_tokens", f"must be at most max_tokens ({self.max_tokens})")
-        check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
-        check(self.stream_interval is None or self.stream_interval >= 1, "stream_interval", "must be at least 1")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []),
+        bound(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        bound(self.stream_interval is None or self.stream_interval >= 1, "stream_interval", "must be at least 1")
+        bound(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids or []),
               "stop_token_ids", "must be non-negative integers")
-        check(self.seed is None or -(1 << 63) <= self.seed < (1 << 64), "seed", "must fit in 64 bits")
-        check(all(isinstance(s, str) for s in self.stop or []), "stop", "must be strings")
+        bound(self.seed is None or -(1 << 63) <= self.seed < (1 << 64), "seed", "must fit in 64 bits")
+        bound(all(isinstance(s, str) for s in self.stop or []), "stop", "must be strings")
+        check(all(abs(bias) <= MAX_LOGIT_BIAS for bias in (self.logit_bias or {}).values()), "logit_bias",
+              f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 
     def validate_for_model(self, vocab_size: int) -> None:
-        """Checks that need the model: token ids must exist in its vocabulary."""
+        """Checks that need the model: token ids must exist in its vocabulary. The one place they are
+        written: the engine and the OpenAI frontend both call it."""
         for name, ids in (("stop_token_ids", self.stop_token_ids or []),
                           ("logit_bias", list(self.logit_bias or {}))):
             bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[:5]}")
+            check(not bad, name, f"token ids must be in [0, {vocab_size})", bad[:5])
         if self.top_k > vocab_size:
             self.top_k = 0  # keeping more tokens than exist keeps them all
 
@@ -171,19 +177,65 @@ class SamplingParams:
         """Build from a JSON object (Triton's `sampling_parameters`); numeric strings are cast."""
         known = {f.name: f for f in fields(cls) if f.name not in ("output_kind", "all_stop_token_ids")}
         unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        check(not unknown, unknown[0] if len(unknown) == 1 else None,
+              f"unknown sampling parameter(s): {', '.join(unknown)}")
         cast = {}
         for name, value in values.items():
             type_name = str(known[name].type)
-            if name in ("stop", "structured_outputs"):
-                cast[name] = value
-            elif isinstance(value, str) and name == "stop_token_ids":
-                cast[name] = [int(v) for v in value.strip("[]").split(",") if v.strip()]
-            else:
-                value = cast_value(name, type_name, value)
-                if type_name.startswith("int") and isinstance(value, float) and value.is_integer() \
-                        and abs(value) < 2 ** 63:
-                    value = int(value)  # JSON writers may send 16.0 for 16
-                cast[name] = value
+            try:
+                if name in ("stop", "structured_outputs", "logit_bias"):
+                    cast[name] = value
+                elif isinstance(value, str) and name == "stop_token_ids":
+                    cast[name] = [int(v) for v in value.strip("[]").split(",") if v.strip()]
+                else:
+                    value = cast_value(name, type_name, value)
+                    if type_name.startswith("int") and isinstance(value, float) and value.is_integer() \
+                            and abs(value) < 2 ** 63:
+                        value = int(value)  # JSON writers may send 16.0 for 16
+                    cast[name] = value
+            except EngineError:
+                raise
+            except (TypeError, ValueError, OverflowError) as error:  # cast_value's, int()'s
+                message = str(error).removeprefix(f"{name}: ")
+                if message.startswith("cannot read"):
+                    raise EngineError(name, message) from None
+                raise EngineError(name, "invalid value", value=value) from None
         return cls(**cast)
+
+
+def parse_json(text: str, name: str, **options: Any) -> Any:
+    """JSON text -> a value no deeper than MAX_JSON_DEPTH; EngineErrors naming `name` otherwise
+    (never a RecursionError, which would be a traceback per request)."""
+    try:
+        value = json.loads(text, **options)
+    except json.JSONDecodeError as error:
+        raise EngineError(name, f"not valid JSON ({error})") from None
+    except RecursionError:
+        raise EngineError(name, f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    check_json_depth(value, name)
+    return value
+
+
+def check_json_depth(value: Any, name: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse a JSON value nested deeper than `limit` (walked without recursion)."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        check(depth <= limit, name, f"nested deeper than {limit} levels")
+        level = [child for item in level if isinstance(item, (dict, list))
+                 for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, (dict, list))]
+
+
+def token_biases(values: Any) -> dict[int, float]:
+    """logit_bias as {token id: bias}; JSON gives the ids as strings."""
+    check(isinstance(values, dict), "logit_bias", "must be an object of token id -> bias", values)
+    biases = {}
+    for key, bias in values.items():
+        check(isinstance(key, int) and not isinstance(key, bool)
+              or isinstance(key, str) and key.strip().lstrip("-").isdigit() and key.isascii(),
+              "logit_bias", "keys must be token ids", key)
+        check(isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias),
+              "logit_bias", "biases must be finite numbers", bias)
+        biases[int(key)] = float(bias)
+    return biases

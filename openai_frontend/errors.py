@@ -3,25 +3,23 @@ to a status code and that envelope."""
 
 from __future__ import annotations
 
-import re
-
 import grpc
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from backend.errors import (CONTEXT_LENGTH_EXCEEDED, ENGINE_OVERLOADED, INVALID_PARAMETER, KV_CACHE_TOO_SMALL,
+                            MODEL_UNAVAILABLE, NOT_FOUND, EngineError, parse_wire, wire_details)
 
-# The engine's wording (backend/engine.py), rewritten into OpenAI's below.
-CONTEXT_ERROR = re.compile(r"maximum context length is (\d+) tokens; the request asks for (\d+) "
-                           r"\((\d+) in the prompt, (\d+) max_tokens\)")
-# Messages that mean "the model cannot serve right now", not "your request is wrong".
+
+# What each engine error code (backend/errors.py, tagged onto Triton's error message) answers.
+STATUS_OF_CODE = {INVALID_PARAMETER: 400, CONTEXT_LENGTH_EXCEEDED: 400, KV_CACHE_TOO_SMALL: 400,
+                  ENGINE_OVERLOADED: 503, MODEL_UNAVAILABLE: 503, NOT_FOUND: 404}
+# Triton's own messages carry no code: these mean "the model cannot serve right now".
 UNAVAILABLE_HINTS = ("unknown model", "no available versions", "is not ready", "unavailable",
                      "being unloaded", "failed to connect", "connection refused", "socket closed",
                      "is not healthy")  # the last: Triton's Python backend lost the model's process
-# The engine's waiting queue is full (backend/async_engine.py), or Triton's own queue is.
-OVERLOAD_HINTS = ("overloaded", "exceeds maximum queue size")
+OVERLOAD_HINTS = ("exceeds maximum queue size",)  # Triton's queue for the model is full
 RETRY_AFTER_S = 1  # every 503 tells the client when to try again
-# Validation messages start with the parameter's name ("top_p must be in (0, 1]", "prompt: ...").
-LEADING_PARAM = re.compile(r"^([a-z_]+)(?::| must| is| cannot)")
 
 
 class OpenAIError(Exception):
@@ -64,24 +62,34 @@ def model_not_found(model: str) -> OpenAIError:
 
 
 def from_triton_message(message: str, prompt_param: str = "prompt") -> OpenAIError:
-    """Classify an error Triton returned for one request (a stream carries only its message)."""
-    text = message.strip()
-    match = CONTEXT_ERROR.search(text)
-    if match:
-        limit, _, prompt_tokens, max_tokens = map(int, match.groups())
-        return context_length_error(limit, prompt_tokens, max_tokens, prompt_param)
-    if "KV-cache blocks" in text:
-        return OpenAIError(400, text, "max_tokens")
-    lowered = text.lower()
-    if any(hint in lowered for hint in OVERLOAD_HINTS):
-        return OpenAIError(503, f"The server is overloaded; retry later ({text})", None, "engine_overloaded")
-    if any(hint in lowered for hint in UNAVAILABLE_HINTS):
-        return OpenAIError(503, f"The model is unavailable: {text}", None, "model_unavailable")
-    match = LEADING_PARAM.match(text)
-    if match:
-        param = "prompt" if match.group(1) == "prompt" else match.group(1)
-        return OpenAIError(400, text, prompt_param if param == "prompt" else param)
-    return OpenAIError(500, f"Triton failed the request: {text}")
+    """Classify an error Triton returned for one request by the engine's code (a stream carries
+    only the message, with the code tagged on); Triton's own errors carry none."""
+    code, param, text = parse_wire(message)
+    if code is None:
+        lowered = text.lower()
+        if any(hint in lowered for hint in OVERLOAD_HINTS):
+            return OpenAIError(503, f"The server is overloaded; retry later ({text})", None, ENGINE_OVERLOADED)
+        if any(hint in lowered for hint in UNAVAILABLE_HINTS):
+            return OpenAIError(503, f"The model is unavailable: {text}", None, MODEL_UNAVAILABLE)
+        return OpenAIError(500, f"Triton failed the request: {text}")
+    if param == "prompt":
+        param = prompt_param
+    if code == CONTEXT_LENGTH_EXCEEDED:
+        details = wire_details(message)
+        if {"max_model_len", "prompt_tokens", "max_tokens"} <= set(details):
+            return context_length_error(details["max_model_len"], details["prompt_tokens"], details["max_tokens"],
+                                        prompt_param)
+        param = param or prompt_param
+    status = STATUS_OF_CODE.get(code, 400)
+    if status == 503:
+        return OpenAIError(503, f"The server is overloaded; retry later ({text})" if code == ENGINE_OVERLOADED
+                           else f"The model is unavailable: {text}", None, code)
+    return OpenAIError(status, text, param, None if code == INVALID_PARAMETER else code)
+
+
+def from_engine_error(error: EngineError, prompt_param: str = "prompt") -> OpenAIError:
+    """An EngineError raised in the frontend itself (it runs the engine's own checks)."""
+    return from_triton_message(error.wire(), prompt_param)
 
 
 def from_grpc_error(error: grpc.RpcError) -> OpenAIError:

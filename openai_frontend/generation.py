@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from backend.errors import EngineError
 from backend.sampling_params import SamplingParams
-from openai_frontend.errors import OpenAIError, invalid
+from openai_frontend.errors import OpenAIError, from_engine_error, invalid
 from openai_frontend.prompts import valid_text
 from openai_frontend.schemas import SamplingRequest, Usage
 from openai_frontend.triton import Chunk, SampleDelta, TokenLogprob, TritonClient
@@ -44,32 +45,29 @@ def structured_outputs(request: SamplingRequest) -> tuple[dict | None, str | Non
 
 
 def sampling_parameters(request: SamplingRequest, *, max_tokens: int, logprobs: int | None,
-                        vocab_size: int, structured: tuple[dict | None, str | None] = (None, None)) -> dict:
+                        vocab_size: int, structured: tuple[dict | None, str | None] = (None, None),
+                        n: int | None = None) -> dict:
     """The `sampling_parameters` JSON for Triton, validated by the engine's own rules so that a bad
     value is a 400 naming it here, not an error deep in Triton. `structured`: the structured_outputs
-    and the request field they came from."""
+    and the request field they came from; `n`: the samples to draw, when not the request's n."""
     values = {name: getattr(request, name) for name in PASSED_THROUGH if getattr(request, name) is not None}
     values["max_tokens"] = max_tokens
+    if n is not None:
+        values["n"] = n  # best_of: more samples than the client gets back
     if structured[0] is not None:
         values["structured_outputs"] = structured[0]
     if logprobs is not None:
         values["logprobs"] = logprobs
     for stop in [request.stop] if isinstance(request.stop, str) else request.stop or ():
         valid_text(stop, "stop")
-    if any(token_id >= vocab_size for token_id in request.stop_token_ids or ()):
-        raise invalid("stop_token_ids", f"stop_token_ids: token ids must be in [0, {vocab_size})")
     if request.logit_bias:
-        values["logit_bias"] = {}
-        for key, bias in request.logit_bias.items():
-            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
-                raise invalid("logit_bias", f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r}")
-            values["logit_bias"][int(key)] = bias
-    try:
-        SamplingParams.from_dict(values)
-    except ValueError as error:  # "top_p must be in (0, 1], got 2.0"
-        name = str(error).split(" ")[0].rstrip(":")
-        param = structured[1] if name == "structured_outputs" else name if name in values else None
-        raise invalid(param, str(error)) from None
+        values["logit_bias"] = request.logit_bias
+    try:  # the engine's own checks, vocabulary included: one place for each rule
+        SamplingParams.from_dict(values).validate_for_model(vocab_size)
+    except EngineError as error:
+        if error.param == "structured_outputs" and structured[1]:
+            error.param = structured[1]
+        raise from_engine_error(error) from None
     if request.cache_salt is not None:
         values["cache_salt"] = valid_text(request.cache_salt, "cache_salt")
     return values
@@ -88,6 +86,7 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    cumulative_logprob: float | None = None
 
 
 class Choices:
@@ -97,6 +96,7 @@ class Choices:
         self.n = n
         self.choices = [Choice() for _ in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
+        self.completion_tokens = 0  # set when best_of drops samples
 
     def update(self, prompt_index: int, chunk: Chunk) -> list[tuple[int, SampleDelta]]:
         """Fold one Triton response in; return the deltas worth sending, by choice index."""
@@ -111,13 +111,25 @@ class Choices:
             choice.num_tokens += sample.num_tokens
             choice.logprobs.extend(sample.logprobs or [])
             choice.finish_reason = sample.finish_reason
+            if sample.cumulative_logprob is not None:
+                choice.cumulative_logprob = sample.cumulative_logprob
             if sample.text or sample.logprobs or sample.finish_reason:
                 news.append((index, sample))
         return news
 
+    def keep_best(self, n: int) -> None:
+        """best_of: keep each prompt's n samples with the highest cumulative logprob (usage still
+        counts every generated token)."""
+        best = []
+        for start in range(0, len(self.choices), self.n):
+            samples = self.choices[start:start + self.n]
+            best += sorted(samples, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
+        self.completion_tokens = sum(choice.num_tokens for choice in self.choices)
+        self.choices, self.n = best, n
+
     def usage(self) -> Usage:
         prompt = sum(self.prompt_tokens)
-        completion = sum(choice.num_tokens for choice in self.choices)
+        completion = self.completion_tokens or sum(choice.num_tokens for choice in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 

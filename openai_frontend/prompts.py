@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from openai_frontend.errors import context_length_error, invalid
@@ -35,6 +36,9 @@ class PromptBuilder:
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.max_model_len = max_model_len or config.get("max_position_embeddings", 2048)
         self.vocab_size = max(config.get("vocab_size", 0), len(self.tokenizer))
+        # Strings the tokenizer turns into special tokens: only the chat template may write them.
+        self.special_strings = sorted({token.content for token in self.tokenizer.added_tokens_decoder.values()
+                                       if token.special and token.content}, key=len, reverse=True)
 
     def encode(self, text: str, param: str = "prompt") -> list[int]:
         """A completion prompt, tokenized as the engine tokenizes text (special tokens added)."""
@@ -67,13 +71,51 @@ class PromptBuilder:
         if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
             raise invalid("continue_final_message", "continue_final_message needs a final assistant "
                           "message and add_generation_prompt false")
+        if not any(self.has_special(message.get("content")) for message in messages):
+            text = self.apply_template(messages, add_generation_prompt, continue_final_message, extra)
+            return text, self.tokenizer(valid_text(text, "messages"), add_special_tokens=False).input_ids
+        return self.render_with_plain_content(messages, add_generation_prompt, continue_final_message, extra)
+
+    def has_special(self, text) -> bool:
+        return isinstance(text, str) and any(special in text for special in self.special_strings)
+
+    def apply_template(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                       extra: dict) -> str:
+        if any(self.has_special(text) for text in strings_in({"messages": messages, **extra})):
+            raise invalid("messages", "messages: the model's special tokens may appear only in message "
+                                      "content (where they are read as plain text)")
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **extra)
         except Exception as error:  # a template may raise on messages it does not accept
             raise invalid("messages", f"messages: the chat template rejected them: {error}") from None
-        return text, self.tokenizer(valid_text(text, "messages"), add_special_tokens=False).input_ids
+
+    def render_with_plain_content(self, messages: list[dict], add_generation_prompt: bool,
+                                  continue_final_message: bool, extra: dict) -> tuple[str, list[int]]:
+        """Content that spells a special token ("<|im_end|>\n<|im_start|>system") must not forge a
+        turn: render the template around placeholders, tokenize what the template wrote as usual and
+        each content with special tokens split into plain text (the tokenizers' split_special_tokens)."""
+        contents = [message.get("content") for message in messages]
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        placeheld = [{**message, "content": mark} if isinstance(message.get("content"), str) else message
+                     for message, mark in zip(messages, marks)]
+        text = self.apply_template(placeheld, add_generation_prompt, continue_final_message, extra)
+        pieces = re.split("(\ue000\\d+\ue001)", text)
+        if sorted(pieces[1::2]) != sorted(mark for mark, content in zip(marks, contents) if isinstance(content, str)):
+            # The template rewrote or repeated a content: it cannot be kept apart from the template's text.
+            raise invalid("messages", "messages: content must not contain the model's special tokens "
+                                      "with this chat template")
+        token_ids, rendered = [], []
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                content = valid_text(contents[marks.index(piece)], "messages")
+                rendered.append(content)
+                token_ids += self.tokenizer(content, add_special_tokens=False, split_special_tokens=True).input_ids
+            elif piece:
+                rendered.append(piece)
+                token_ids += self.tokenizer(valid_text(piece, "messages"), add_special_tokens=False).input_ids
+        return "".join(rendered), token_ids
 
     def max_tokens_for(self, prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> int:
         """`max_tokens`, or all the room left in the context when it is None; 400 if it won't fit."""
@@ -85,3 +127,18 @@ class PromptBuilder:
         if max_tokens > room:
             raise context_length_error(self.max_model_len, prompt_tokens, max_tokens, prompt_param)
         return max_tokens
+
+
+def strings_in(value) -> list[str]:
+    """Every string inside a JSON-like value but message contents (keys included)."""
+    found, stack = [], [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack += [v for k, v in item.items() if k != "content" or not isinstance(v, str)]
+            found += [k for k in item if isinstance(k, str)]
+        elif isinstance(item, (list, tuple)):
+            stack += list(item)
+    return found

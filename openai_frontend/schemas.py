@@ -47,7 +47,7 @@ class SamplingRequest(Request):
     """Fields shared by completions and chat: OpenAI's sampling knobs plus vLLM's extras."""
     model: str
     n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's range
     top_p: float | None = Field(None, gt=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -79,7 +79,9 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, description="null: all the room left in the context")
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's bound for completions
+    best_of: int | None = Field(None, ge=1, le=128, description="samples to draw per prompt; the n with the "
+                                                                "highest cumulative logprob are returned")
 
 
 class ContentPart(Request):

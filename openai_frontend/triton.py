@@ -29,6 +29,7 @@ from openai_frontend.errors import OpenAIError, from_grpc_error, from_triton_mes
 LLM_MODEL = "llm"
 EMBEDDINGS_MODEL = "embeddings"
 EMBEDDINGS_MAX_BATCH = 64  # the embeddings model's max_batch_size
+EMBEDDINGS_BATCHES_IN_FLIGHT = 2  # per request: enough to keep the model busy, not to monopolise it
 RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
 DRAIN_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 5.0  # a readiness call or probe not answered by then: Triton is frozen or swamped
@@ -71,6 +72,7 @@ class SampleDelta:
     finish_reason: str | None
     # One entry per new token: the sampled token first, then the top alternatives.
     logprobs: list[list[TokenLogprob]] | None
+    cumulative_logprob: float | None = None  # of everything the sample generated so far (n > 1)
 
 
 @dataclass
@@ -102,13 +104,15 @@ def _chunk(result, want_logprobs: bool) -> Chunk:
     finish_reasons = result.as_numpy("finish_reason")
     counts = result.as_numpy("num_output_tokens")
     logprobs = result.as_numpy("logprobs") if want_logprobs else None
+    cumulative = result.as_numpy("cumulative_logprob")
     samples = []
     for i, text in enumerate(texts):
         reason = finish_reasons[i].decode() if finish_reasons is not None else "None"
         samples.append(SampleDelta(
             index=i, text=text.decode("utf-8"), num_tokens=int(counts[i]) if counts is not None else 0,
             finish_reason=None if reason == "None" else reason,
-            logprobs=_parse_logprobs(logprobs[i]) if logprobs is not None else None))
+            logprobs=_parse_logprobs(logprobs[i]) if logprobs is not None else None,
+            cumulative_logprob=float(cumulative[i]) if cumulative is not None else None))
     prompt_tokens = result.as_numpy("num_input_tokens")
     return Chunk(int(prompt_tokens[0]) if prompt_tokens is not None else 0, samples)
 
@@ -184,6 +188,8 @@ class TritonClient:
                   _bool("stream", stream), _bool("exclude_input_in_output", True),
                   _bool("return_logprobs", want_logprobs)]
         inputs += [_bool(flag, True) for flag in RETURN_FLAGS]
+        if sampling_parameters.get("n", 1) > 1:  # for best_of: the n best samples by cumulative logprob
+            inputs.append(_bool("return_cumulative_logprob", True))
         request = {"model_name": LLM_MODEL, "inputs": inputs, "request_id": uuid.uuid4().hex,
                    # Mark the last response of the request so we know when to stop reading.
                    "parameters": {"enable_empty_final_response": True}}
@@ -220,20 +226,40 @@ class TritonClient:
             if not completed:  # the caller went away (client disconnect, cancellation)
                 responses.cancel()
 
-    async def embed(self, texts: list[str], timeout: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Embeddings (float32 [len(texts), dim]) and token counts, in batches the model accepts;
-        RequestTimeout past `timeout` seconds."""
-        batches = [texts[i:i + EMBEDDINGS_MAX_BATCH] for i in range(0, len(texts), EMBEDDINGS_MAX_BATCH)]
-        results = await asyncio.gather(*(self._embed_batch(batch, timeout) for batch in batches))
+    async def embed(self, inputs: list[str] | list[list[int]],
+                    timeout: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Embeddings (float32 [len(inputs), dim]) and token counts, for texts or token-id lists, in
+        batches the model accepts, EMBEDDINGS_BATCHES_IN_FLIGHT at a time: a large request shares the
+        model with others, and cancelling it stops its work after the batches in flight.
+        RequestTimeout past `timeout` seconds (per call)."""
+        batches = [inputs[i:i + EMBEDDINGS_MAX_BATCH] for i in range(0, len(inputs), EMBEDDINGS_MAX_BATCH)]
+        slots = asyncio.Semaphore(EMBEDDINGS_BATCHES_IN_FLIGHT)
+
+        async def run(batch):
+            async with slots:
+                return await self._embed_batch(batch, timeout)
+
+        tasks = [asyncio.ensure_future(run(batch)) for batch in batches]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
         return (np.concatenate([vectors for vectors, _ in results]),
                 np.concatenate([counts for _, counts in results]))
 
-    async def _embed_batch(self, texts: list[str], timeout: float | None) -> tuple[np.ndarray, np.ndarray]:
-        values = np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
+    async def _embed_batch(self, batch: list[str] | list[list[int]],
+                           timeout: float | None) -> tuple[np.ndarray, np.ndarray]:
+        if isinstance(batch[0], str):
+            tensor = _tensor("text", np.array([[t.encode("utf-8")] for t in batch], dtype=np.object_), "BYTES")
+        else:  # token ids, padded with -1 to one length
+            ids = np.full((len(batch), max(map(len, batch))), -1, dtype=np.int32)
+            for row, token_ids in zip(ids, batch):
+                row[:len(token_ids)] = token_ids
+            tensor = _tensor("input_ids", ids, "INT32")
         outputs = [InferRequestedOutput("embedding"), InferRequestedOutput("num_tokens")]
         try:
-            result = await self.client.infer(EMBEDDINGS_MODEL, [_tensor("text", values, "BYTES")],
-                                             outputs=outputs, client_timeout=timeout)
+            result = await self.client.infer(EMBEDDINGS_MODEL, [tensor], outputs=outputs, client_timeout=timeout)
         except InferenceServerException as error:
             status = str(error.status() or "")
             if "UNAVAILABLE" in status:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import ipaddress
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,31 +25,76 @@ from dataclasses import fields
 from pathlib import Path
 
 from backend.config import EngineConfig
-from tools.triton_server import MODEL_NAME, TritonServer, write_model_repository
+from tools.triton_server import MODEL_NAME, TritonServer, die_with_parent, write_model_repository
 
 FRONTEND_MODULE = "openai_frontend.main"
 API_KEY_ENV = "TRITONLLM_API_KEY"
+ADMIN_KEY_HEADER = "triton-admin-key"
+ADMIN_KEY_FILE = "triton-admin-key"
+STUB_CHECK_S = 0.5
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The servers' flags; the engine's (one per EngineConfig field) come from tools.cli."""
-    servers = parser.add_argument_group("servers")
+    servers = parser.add_argument_group("servers (docs/security.md: what listens where)")
     servers.add_argument("--host", default="127.0.0.1",
-                         help="address every server listens on (0.0.0.0 in a container)")
+                         help="address the OpenAI frontend, the public door, listens on (0.0.0.0 in the container)")
     servers.add_argument("--port", type=int, default=9000, help="OpenAI frontend port")
+    servers.add_argument("--triton-host", default="127.0.0.1",
+                         help="address Triton's HTTP, gRPC and metrics ports listen on; they take no API key, "
+                              "so keep them off the network unless a firewall guards them")
     servers.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port")
     servers.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port")
     servers.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics port")
-    servers.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                         help=f"OpenAI frontend: require `Authorization: Bearer <key>` (default: ${API_KEY_ENV})")
+    servers.add_argument("--api-key", default=None,
+                         help=f"OpenAI frontend: require `Authorization: Bearer <key>`. Prefer ${API_KEY_ENV} or "
+                              "--api-key-file: a key on the command line shows in `ps`")
+    servers.add_argument("--api-key-file", type=Path, default=None,
+                         help="a file holding the API key (its first line)")
+    servers.add_argument("--model-control", choices=("none", "explicit"), default="none",
+                         help="Triton's model control: `none` loads every model at start and refuses load "
+                              "and unload; `explicit` allows them to holders of the admin key (docs/security.md)")
     servers.add_argument("--log-requests", action="store_true",
                          help="OpenAI frontend: log prompts and completions (never logged otherwise)")
     servers.add_argument("--tool-call-parser", default="hermes", choices=("hermes", "json"),
                          help="the model's tool-call format, for the OpenAI frontend's tools support")
     servers.add_argument("--workdir", type=Path, default=None,
-                         help="where the runtime model repository and Triton's log go (default: a temp folder)")
+                         help="where the runtime model repository, Triton's log and admin key go "
+                              "(default: a new temporary folder)")
     servers.add_argument("--ready-timeout", type=float, default=600.0,
                          help="seconds to wait for the model to load")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $TRITONLLM_API_KEY, else none."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file is not None:
+        key = args.api_key_file.read_text().strip().splitlines()
+        if not key or not key[0].strip():
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+        return key[0].strip()
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def triton_arguments(args: argparse.Namespace, admin_key: str) -> list[str]:
+    """Model control, and Triton's own APIs that change the server (repository, logging,
+    tracing) closed to any client without the admin key's header."""
+    control = (["--model-control-mode=none"] if args.model_control == "none"
+               else ["--model-control-mode=explicit", "--load-model=*"])
+    restricted = f"model-repository,logging,trace:{ADMIN_KEY_HEADER}={admin_key}"
+    return control + [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
+
+
+def write_admin_key(workdir: Path) -> str:
+    """A fresh random admin key for this run, readable by our user only."""
+    key = secrets.token_urlsafe(32)
+    path = workdir / ADMIN_KEY_FILE
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(key + "\n")
+    return key
 
 
 def engine_arguments(args: argparse.Namespace) -> dict:
@@ -64,8 +111,8 @@ def engine_arguments(args: argparse.Namespace) -> dict:
     return values
 
 
-def start_frontend(args: argparse.Namespace, server: TritonServer,
-                   engine_args: dict) -> subprocess.Popen | None:
+def start_frontend(args: argparse.Namespace, server: TritonServer, engine_args: dict,
+                   key: str | None) -> subprocess.Popen | None:
     try:
         present = importlib.util.find_spec(FRONTEND_MODULE) is not None
     except ModuleNotFoundError:
@@ -85,9 +132,9 @@ def start_frontend(args: argparse.Namespace, server: TritonServer,
     command += ["--tool-call-parser", args.tool_call_parser]
     env = dict(os.environ)
     env.pop(API_KEY_ENV, None)
-    if args.api_key is not None:
-        env[API_KEY_ENV] = args.api_key  # not on the command line, where `ps` shows it to everyone
-    return subprocess.Popen(command, env=env, start_new_session=True)
+    if key is not None:
+        env[API_KEY_ENV] = key  # not on the command line, where `ps` shows it to everyone
+    return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=die_with_parent)
 
 
 def wait_http(url: str, process: subprocess.Popen, timeout: float) -> None:
@@ -114,22 +161,37 @@ def stop_process(process: subprocess.Popen | None, timeout: float = 30.0) -> Non
         process.wait()
 
 
-def print_banner(args: argparse.Namespace, model_path: str, frontend) -> None:
-    host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
-    print(f"\nTriton HTTP     http://{host}:{args.http_port}  (model '{MODEL_NAME}')")
-    print(f"Triton gRPC     {host}:{args.grpc_port}")
-    print(f"Metrics         http://{host}:{args.metrics_port}/metrics")
+def ipaddress_is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def shown(host: str) -> str:
+    return "localhost" if host in ("0.0.0.0", "::") else host
+
+
+def print_banner(args: argparse.Namespace, model_path: str, frontend, key: str | None) -> None:
+    triton = shown(args.triton_host)
+    print(f"\nTriton HTTP     http://{triton}:{args.http_port}  (model '{MODEL_NAME}'; no API key)")
+    print(f"Triton gRPC     {triton}:{args.grpc_port}")
+    print(f"Metrics         http://{triton}:{args.metrics_port}/metrics")
     if frontend is not None:
-        print(f"OpenAI API      http://{host}:{args.port}/v1")
+        host = shown(args.host)
+        print(f"OpenAI API      http://{host}:{args.port}/v1" + ("  (API key required)" if key else ""))
         body = {"model": getattr(args, "served_model_name", None) or Path(model_path).name,
                 "messages": [{"role": "user", "content": "What is Triton Inference Server?"}],
                 "max_tokens": 64}
-        print(f"\ncurl http://{host}:{args.port}/v1/chat/completions -H 'Content-Type: application/json' "
+        auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if key else ""
+        print(f"\ncurl http://{host}:{args.port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
               f"-d '{json.dumps(body)}'")
     else:
         body = {"text_input": "Triton Inference Server is",
                 "parameters": {"max_tokens": 64, "temperature": 0}}
-        print(f"\ncurl http://{host}:{args.http_port}/v2/models/{MODEL_NAME}/generate -d '{json.dumps(body)}'")
+        print(f"\ncurl http://{triton}:{args.http_port}/v2/models/{MODEL_NAME}/generate -d '{json.dumps(body)}'")
     print("\nCtrl-C stops everything.", flush=True)
 
 
@@ -138,35 +200,78 @@ def interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+class StubWatch:
+    """Notices the llm model's Python stub dying while tritonserver lives on. Triton does not
+    restart the stub of a decoupled model and keeps reporting the model ready, so every request
+    would hang: serve exits non-zero instead, and its supervisor (systemd, Kubernetes, docker's
+    restart policy) starts a fresh service. Reloading in-process is what issue 31 showed unsafe."""
+
+    def __init__(self, server: TritonServer, explicit: bool) -> None:
+        self.server, self.explicit = server, explicit
+        self.pids = set(server.stub_pids())
+
+    def dead(self) -> bool:
+        pids = set(self.server.stub_pids())
+        if not self.explicit:  # no load or unload can happen: the first stub is the only one
+            return not self.pids <= pids
+        if pids:  # an admin may reload: follow the current stub
+            self.pids = pids
+            return False
+        # No stub: an unload (the model reads not ready) or a death (Triton still says ready).
+        return model_ready(self.server)
+
+
+def model_ready(server: TritonServer) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{MODEL_NAME}/ready", timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
 def run_serve(args: argparse.Namespace) -> int:
     try:
         engine_args = engine_arguments(args)
-    except ValueError as error:
+        key = api_key(args)
+    except (ValueError, OSError) as error:
         print(f"tritonllm serve: {error}", file=sys.stderr)
         return 2
     from tools.prepare_embeddings import prepare_embeddings
     prepare_embeddings()  # the `embeddings` model's weights, fetched once like the LLM's
+    if key is None and not ipaddress_is_loopback(args.host):
+        print(f"tritonllm serve: warning: the OpenAI frontend listens on {args.host} without an API key; "
+              f"set ${API_KEY_ENV} or --api-key-file (docs/security.md)", file=sys.stderr)
+    if not ipaddress_is_loopback(args.triton_host):
+        print(f"tritonllm serve: warning: Triton's ports listen on {args.triton_host}; they take no API key "
+              "(docs/security.md)", file=sys.stderr)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tritonllm-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     repository = write_model_repository(workdir / "model_repository", engine_args)
     log_file = workdir / "tritonserver.log"
-    # Explicit model control lets the model unload itself if its engine fails (so it reads as
-    # not ready); every model in the repository is loaded at start.
-    server = TritonServer(repository, workdir, host=args.host, http_port=args.http_port,
+    admin_key = write_admin_key(workdir)
+    server = TritonServer(repository, workdir, host=args.triton_host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_file=log_file,
-                          extra_args=["--model-control-mode=explicit", "--load-model=*"])
+                          extra_args=triton_arguments(args, admin_key))
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
     frontend = None
+    stop_timeout = 60.0  # Triton's graceful stop: in-flight requests finish, models unload
     print(f"starting tritonserver (log: {log_file}) with model {engine_args['model']}", flush=True)
     try:
         server.start()
         server.wait_ready(args.ready_timeout)
-        frontend = start_frontend(args, server, engine_args)
+        watch = StubWatch(server, explicit=args.model_control == "explicit")
+        frontend = start_frontend(args, server, engine_args, key)
         if frontend is not None:
             wait_http(f"http://{args.host}:{args.port}/health", frontend, timeout=120)
-        print_banner(args, engine_args["model"], frontend)
+        print_banner(args, engine_args["model"], frontend, key)
         while server.process.poll() is None and (frontend is None or frontend.poll() is None):
-            time.sleep(0.5)
+            if watch.dead():
+                print(f"tritonllm serve: the '{MODEL_NAME}' model's Python stub died; stopping, so that a "
+                      "supervisor can restart the service", file=sys.stderr, flush=True)
+                stop_timeout = 5.0  # Triton cannot unload a model whose stub is gone
+                return 1
+            time.sleep(STUB_CHECK_S)
         print("a server exited; stopping the rest", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -177,7 +282,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     finally:
         stop_process(frontend)
-        server.stop()
+        server.stop(stop_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

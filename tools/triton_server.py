@@ -9,6 +9,8 @@ the Python backend and one stub per Python version, plus the shared libraries th
 
 from __future__ import annotations
 
+import compileall
+import ctypes
 import importlib.util
 import json
 import os
@@ -27,6 +29,10 @@ from pathlib import Path
 NGC_ROOT = Path("/opt/tritonserver")
 SOURCE_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
 MODEL_NAME = "llm"
+SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
+PR_SET_PDEATHSIG = 1
+# Loaded here, not between fork and exec, where another thread may hold the loader's lock.
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
 @dataclass
@@ -72,7 +78,51 @@ def write_model_repository(target: Path, engine_args: dict, source: Path = SOURC
     values = json.loads(model_json.read_text())
     values.update(engine_args)
     model_json.write_text(json.dumps(values, indent=2) + "\n")
+    # The stub imports model.py and its neighbours, and Python would write their bytecode into a
+    # new __pycache__ inside the version folder after Triton has recorded its timestamps: the first
+    # explicit load then saw a changed model and reloaded the whole LLM (issue 31.1). Compiled now,
+    # by this Python (the stub's), the stub finds the bytecode current and writes nothing.
+    compileall.compile_dir(target, quiet=1)
     return target
+
+
+def die_with_parent() -> None:
+    """A preexec_fn: the child gets SIGKILL when the process that started it dies, even by
+    `kill -9` (Linux's parent-death signal; children in sessions of their own outlive their
+    parent otherwise). Triton's Python stubs follow a dead tritonserver by themselves."""
+    parent = os.getppid()
+    if LIBC is None or LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return  # not Linux: the child may outlive us, as before
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def remove_stale_shm_regions(shm: Path = Path("/dev/shm")) -> list[Path]:
+    """Delete the Python backend's shared-memory regions that a killed tritonserver left behind:
+    ours (same owner) and open or mapped by no live process. Returns what was removed."""
+    regions = [p for p in shm.glob(SHM_REGION_PREFIX + "*")
+               if p.is_file() and p.stat().st_uid == os.getuid()]
+    if not regions:
+        return []
+    in_use = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            in_use.update(line.split(maxsplit=5)[5].strip() for line in
+                          (proc / "maps").read_text().splitlines() if SHM_REGION_PREFIX in line)
+            in_use.update(os.readlink(fd) for fd in (proc / "fd").iterdir())
+        except (OSError, IndexError):
+            continue  # gone, or not ours to read (then its regions are not ours either)
+    removed = []
+    for region in regions:
+        if str(region) not in in_use and f"{region} (deleted)" not in in_use:
+            try:
+                region.unlink()
+                removed.append(region)
+            except OSError:
+                pass
+    return removed
 
 
 def free_port() -> int:
@@ -143,11 +193,13 @@ class TritonServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         install = find_triton(self.workdir)
         output = open(self.log_file, "ab") if self.log_file else None
+        for region in remove_stale_shm_regions():
+            print(f"removed {region}, left by a tritonserver that was killed", file=sys.stderr)
         # A session of its own, so a Ctrl-C in the terminal reaches us, and we decide how Triton
-        # stops (SIGINT: finish in-flight requests, unload models, exit).
+        # stops (SIGINT: finish in-flight requests, unload models, exit); killed if we die.
         self.process = subprocess.Popen(self.command(install), env=server_environment(install),
                                         stdout=output, stderr=subprocess.STDOUT if output else None,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=die_with_parent)
         if output:
             output.close()
         return self
@@ -178,6 +230,27 @@ class TritonServer:
             return ""
         tail = Path(self.log_file).read_text(errors="replace").splitlines()[-30:]
         return "; log tail:\n" + "\n".join(tail)
+
+    def stub_pids(self, model: str = MODEL_NAME) -> list[int]:
+        """The live Python-backend stubs serving `model` (children of this tritonserver)."""
+        if self.process is None:
+            return []
+        marker = f"/{model}/"
+        pids = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if not proc.name.isdigit():
+                    continue
+                stat = (proc / "stat").read_text()
+                fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, ...
+                if int(fields[1]) != self.process.pid or fields[0] == "Z":
+                    continue
+                command = (proc / "cmdline").read_bytes().split(b"\0")
+                if b"triton_python_backend_stub" in command[0] and marker.encode() in command[1]:
+                    pids.append(int(proc.name))
+            except (OSError, ValueError, IndexError):
+                continue
+        return pids
 
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGINT (graceful), then SIGKILL after `timeout`; return the server's exit code.

@@ -3,7 +3,8 @@
 It computes what sentence-transformers computes for all-MiniLM-L6-v2 (Transformer -> mean pooling
 over the attention mask -> Normalize), with plain transformers and torch, and never touches the
 Hugging Face hub. Triton's dynamic batcher hands several requests to `execute` at once; their texts
-go through the model as one batch.
+(or token-id lists, `input_ids` padded with -1) go through the model ENCODE_BATCH at a time, and a
+request cancelled meanwhile (its client left) is dropped between batches.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import torch
 import torch.nn.functional as F
 import triton_python_backend_utils as pb_utils
 from transformers import AutoModel, AutoTokenizer
+
+ENCODE_BATCH = 32  # texts per forward pass; cancellations are noticed between passes
+INVALID = "[code=invalid_parameter param=input]"  # backend/errors.py's wire tag, for the frontend
 
 
 def model_folder(configured: str) -> Path:
@@ -51,9 +55,15 @@ class SentenceEncoder:
         self.max_seq_length = limit or self.tokenizer.model_max_length
 
     @torch.inference_mode()
-    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        batch = self.tokenizer(texts, padding=True, truncation="longest_first",
-                               max_length=self.max_seq_length, return_tensors="pt").to(self.device)
+    def encode(self, items: list[str | list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Texts, or token ids of this tokenizer (wrapped in [CLS] ... [SEP] as a text's are)."""
+        texts = [item for item in items if isinstance(item, str)]
+        tokenized = iter(self.tokenizer(texts, truncation=True, max_length=self.max_seq_length).input_ids
+                         if texts else [])
+        ids = [next(tokenized) if isinstance(item, str) else
+               [self.tokenizer.cls_token_id, *item[:self.max_seq_length - 2], self.tokenizer.sep_token_id]
+               for item in items]
+        batch = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(self.device)
         hidden = self.model(**batch).last_hidden_state
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
@@ -69,25 +79,57 @@ class TritonPythonModel:
         self.encoder = SentenceEncoder(model_folder(configured), device)
 
     def execute(self, requests: list) -> list:
-        texts_per_request = []
-        for request in requests:
-            values = pb_utils.get_input_tensor_by_name(request, "text").as_numpy().reshape(-1)
-            texts_per_request.append([v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
-                                      for v in values])
-        try:
-            embeddings, num_tokens = self.encoder.encode([t for texts in texts_per_request for t in texts])
-        except Exception as error:  # one failed batch answers every request in it
-            message = pb_utils.TritonError(f"embedding failed: {error}", pb_utils.TritonError.INTERNAL)
-            return [pb_utils.InferenceResponse(error=message) for _ in requests]
-        responses, start = [], 0
-        for texts in texts_per_request:
-            end = start + len(texts)
+        errors: dict[int, object] = {}  # request index -> its TritonError
+        items: list[tuple[int, str | list[int]]] = []  # (request index, text or token ids)
+        for r, request in enumerate(requests):
+            try:
+                items += [(r, item) for item in self.read(request)]
+            except ValueError as error:
+                errors[r] = pb_utils.TritonError(f"{error} {INVALID}", pb_utils.TritonError.INVALID_ARG)
+        vectors: dict[int, list] = {r: [] for r in range(len(requests))}
+        counts: dict[int, list] = {r: [] for r in range(len(requests))}
+        for start in range(0, len(items), ENCODE_BATCH):
+            chunk = items[start:start + ENCODE_BATCH]
+            for r in {r for r, _ in chunk if r not in errors}:
+                if requests[r].is_cancelled():
+                    errors[r] = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+            chunk = [(r, item) for r, item in chunk if r not in errors]
+            if not chunk:
+                continue
+            try:
+                embeddings, num_tokens = self.encoder.encode([item for _, item in chunk])
+            except Exception as error:  # one failed batch answers every request in it
+                for r, _ in chunk:
+                    errors[r] = pb_utils.TritonError(f"embedding failed: {error}", pb_utils.TritonError.INTERNAL)
+                continue
+            for (r, _), vector, count in zip(chunk, embeddings, num_tokens):
+                vectors[r].append(vector)
+                counts[r].append(count)
+        responses = []
+        for r in range(len(requests)):
+            if r in errors:
+                responses.append(pb_utils.InferenceResponse(error=errors[r]))
+                continue
             responses.append(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("embedding", embeddings[start:end].astype(np.float32)),
-                pb_utils.Tensor("num_tokens", num_tokens[start:end].astype(np.int32).reshape(-1, 1)),
+                pb_utils.Tensor("embedding", np.stack(vectors[r]).astype(np.float32)),
+                pb_utils.Tensor("num_tokens", np.array(counts[r], np.int32).reshape(-1, 1)),
             ]))
-            start = end
         return responses
+
+    def read(self, request) -> list[str | list[int]]:
+        """A request's texts, or its token-id lists (rows of `input_ids`, -1 padding dropped)."""
+        text = pb_utils.get_input_tensor_by_name(request, "text")
+        if text is not None:
+            return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
+                    for v in text.as_numpy().reshape(-1)]
+        input_ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
+        if input_ids is None:
+            raise ValueError("input: give `text` or `input_ids`")
+        vocab_size = len(self.encoder.tokenizer)
+        rows = [[int(t) for t in row if t >= 0] for row in input_ids.as_numpy()]
+        if not all(rows) or not all(t < vocab_size for row in rows for t in row):
+            raise ValueError(f"input: token ids must be in [0, {vocab_size}) and a list must not be empty")
+        return rows
 
     def finalize(self) -> None:
         self.encoder = None

@@ -4,12 +4,14 @@ responses. It speaks the tensor contract of Triton's vLLM backend, so that backe
 Threads: Triton calls `execute`, which validates (request_parsing.py) and hands requests to the
 engine, nothing more. The engine steps on its own thread and calls back with each output; one
 sender thread turns outputs into responses, polls for cancellation and owns every FINAL flag, so
-each request gets exactly one on every path (success, error, cancel, unload). A third thread
-copies the engine's metrics to Triton's metrics port (see triton_metrics.py).
+each request gets exactly one on every path (success, error, cancel, unload). The same thread
+copies the engine's metrics to Triton's metrics port (triton_metrics.py) twice a second and before
+every final response, so a scrape right after a request's last response already counts it.
 
 Errors: a bad request is INVALID_ARG; a full waiting queue is UNAVAILABLE ("overloaded", like
 Triton's own queue-full error); a failed engine step is INTERNAL for the requests it touched. If
-the engine dies, the model unloads itself so that it reads as not ready.
+the engine dies, the model unloads itself so that it reads as not ready (or, where model control
+is off, its stub exits: `tritonllm serve` then exits non-zero for a supervisor to restart).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import triton_python_backend_utils as pb_utils
 try:
     from backend import AsyncLLMEngine, EngineConfig, RequestOutput
     from backend.async_engine import EngineDeadError, EngineOverloadedError
-    from backend.errors import parse_wire
+    from backend.errors import ENGINE_OVERLOADED, MODEL_UNAVAILABLE, EngineError, parse_wire
 except ImportError as error:  # the stub runs an isolated Python: PYTHONPATH does not count
     raise ImportError("tritonllm's `backend` package is not importable by Triton's Python stub; "
                       "install it into the Python that runs tritonserver (pip install -e .)") from error
@@ -45,6 +47,7 @@ CANCEL_POLL_S = 0.1
 # most this many requests, taking turns, so 64 streams cost 160 checks a second, not 640.
 CANCEL_CHECKS_PER_POLL = 16
 METRICS_POLL_S = 0.5
+STUB_EXIT_DELAY_S = 2.0  # after an engine failure that the model cannot unload itself from
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 MULTI_LORA_FILE = "multi_lora.json"  # {"name": "path"} beside model.json, as Triton's vLLM backend reads it
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -106,11 +109,8 @@ class TritonPythonModel:
         self.outbox: queue.Queue = queue.Queue()
         self.poll_cursor = 0  # where the next cancellation poll starts in the job list
         self.unload_requested = False
-        self.sender_thread = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
-        self.sender_thread.start()
 
         self.metrics = None
-        self.stop_metrics = threading.Event()
         report = model_config.get("parameters", {}).get("REPORT_CUSTOM_METRICS", {})
         if report.get("string_value", "true").lower() == "true":
             try:
@@ -118,8 +118,9 @@ class TritonPythonModel:
                                                {"model": self.model_name, "version": args["model_version"]})
             except pb_utils.TritonModelException as error:  # e.g. tritonserver --allow-metrics=false
                 pb_utils.Logger.log_warn(f"[llm] metrics not exported: {error}")
-        self.metrics_thread = threading.Thread(target=self._metrics_loop, name="llm-metrics", daemon=True)
-        self.metrics_thread.start()
+        # Started last: it reads self.metrics.
+        self.sender_thread = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
+        self.sender_thread.start()
 
     # -- requests in ---------------------------------------------------------------------------
     def execute(self, requests: list) -> None:
@@ -173,21 +174,27 @@ class TritonPythonModel:
         return self.loras.get(name)
 
     def _triton_error(self, error: Exception):
-        """A refused request's error: the client's mistake, too much load, or ours."""
-        if isinstance(error, EngineOverloadedError):  # Triton's own queue-full error is UNAVAILABLE too
-            return pb_utils.TritonError(str(error), pb_utils.TritonError.UNAVAILABLE)
+        """A refused request's error: the client's mistake, too much load, or ours. Errors a client
+        can act on carry their code and parameter (backend/errors.py's wire form) for the frontend."""
         if isinstance(error, EngineDeadError):
             self._on_engine_failure(str(error))
             return pb_utils.TritonError("the engine has failed; the model is unavailable",
                                         pb_utils.TritonError.UNAVAILABLE)
-        if isinstance(error, ValueError):
-            return pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
+        if isinstance(error, EngineOverloadedError):
+            error = EngineError(None, str(error), ENGINE_OVERLOADED)
+        elif isinstance(error, ValueError) and not isinstance(error, EngineError):
+            error = EngineError(None, str(error))
+        if isinstance(error, EngineError):
+            # UNAVAILABLE when the load is to blame, as for Triton's own queue-full error.
+            status = (pb_utils.TritonError.UNAVAILABLE if error.code in (ENGINE_OVERLOADED, MODEL_UNAVAILABLE)
+                      else pb_utils.TritonError.INVALID_ARG)
+            return pb_utils.TritonError(error.wire(), status)
         pb_utils.Logger.log_error(f"[llm] request failed: {traceback.format_exc()}")
         return pb_utils.TritonError(f"internal error: {type(error).__name__}", pb_utils.TritonError.INTERNAL)
 
     # -- responses out (the sender thread) -----------------------------------------------------
     def _send_loop(self) -> None:
-        last_poll = time.monotonic()
+        last_poll = last_metrics = time.monotonic()
         while True:
             try:
                 item = self.outbox.get(timeout=CANCEL_POLL_S)
@@ -204,6 +211,11 @@ class TritonPythonModel:
             if time.monotonic() - last_poll >= CANCEL_POLL_S:
                 last_poll = time.monotonic()
                 self._poll_cancellations()
+            if time.monotonic() - last_metrics >= METRICS_POLL_S:
+                last_metrics = time.monotonic()
+                if self.engine.errored:  # e.g. a tensor-parallel worker died while no request ran
+                    self._on_engine_failure(repr(self.engine.error))
+                self._update_metrics()
 
     def _poll_cancellations(self) -> None:
         with self.jobs_lock:
@@ -246,6 +258,7 @@ class TritonPythonModel:
         job.done = True
         with self.jobs_lock:
             self.jobs.pop(job.request_id, None)
+        self._update_metrics()  # the engine counted this request before its last output
         job.sender.send(response, flags=FINAL)
         # Triton unloads the model only once every request object is released; a callback the
         # engine still holds must not keep this one alive.
@@ -296,18 +309,19 @@ class TritonPythonModel:
         try:
             pb_utils.unload_model(self.model_name)  # non-blocking; needs --model-control-mode=explicit
         except Exception as error:
-            pb_utils.Logger.log_error(f"[llm] could not unload the model ({error}); new requests "
-                                      "get UNAVAILABLE errors until the server restarts")
+            # Model control is off (`tritonllm serve`'s default). Triton would keep reporting the
+            # model ready, so this stub exits once the failed requests' errors are out: `serve`
+            # sees its stub gone and exits non-zero for a supervisor to restart it.
+            pb_utils.Logger.log_error(f"[llm] could not unload the model ({error}); the stub exits")
+            threading.Timer(STUB_EXIT_DELAY_S, os._exit, args=(1,)).start()
 
-    def _metrics_loop(self) -> None:
-        while not self.stop_metrics.wait(METRICS_POLL_S):
-            if self.engine.errored:  # e.g. a tensor-parallel worker died while no request ran
-                self._on_engine_failure(repr(self.engine.error))
-            if self.metrics is not None:
-                try:
-                    self.metrics.update(self.engine.get_metrics())
-                except Exception:
-                    pb_utils.Logger.log_error(f"[llm] metrics update failed: {traceback.format_exc()}")
+    def _update_metrics(self) -> None:
+        """Only ever on the sender thread, so the exporter needs no lock."""
+        if self.metrics is not None:
+            try:
+                self.metrics.update(self.engine.get_metrics())
+            except Exception:
+                pb_utils.Logger.log_error(f"[llm] metrics update failed: {traceback.format_exc()}")
 
     # -- unload --------------------------------------------------------------------------------
     def finalize(self) -> None:
@@ -327,10 +341,8 @@ class TritonPythonModel:
         for job in list(self.jobs.values()):  # the engine never answered these: answer for it
             self._finish(job, pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 "the model is being unloaded", pb_utils.TritonError.UNAVAILABLE)))
-        self.stop_metrics.set()
-        self.metrics_thread.join()
         if self.metrics is not None:
-            self.metrics.close()
+            self.metrics.close()  # stops updating; Triton's metric objects live on (triton_metrics.py)
             self.metrics = None
         self.engine = None
         gc.collect()

@@ -2,14 +2,37 @@
 
 The engine keeps cumulative readings; Triton's metrics only move forward (counters increment,
 histograms observe), so each update applies the difference since the previous reading. Counters
-get Prometheus' `_total` suffix, as vLLM exports them: `vllm:prompt_tokens_total`. An info gauge
-(`vllm:lora_requests_info`) carries its reading's labels: each new set of labels is a new series
-whose value is the time it was set, and the latest series is the current state (as vLLM exports it).
+get Prometheus' `_total` suffix, as vLLM exports them: `vllm:prompt_tokens_total`.
+
+The families and metrics are never deleted, on purpose. Triton (2.51, up to core's 2026 "metrics
+storage" fix) counts references to a Prometheus series per MetricFamily object, but two families of
+one name share one Prometheus family, and two metrics with the same labels one series. During a
+reload the new instance of the model starts before the old one is finalized (Triton loads the new
+version first, and an unload waits for in-flight requests), so both hold the same series; deleting
+the old instance's metrics freed the series the new instance still wrote to: tritonserver died in
+prometheus::Histogram::Observe under the Python backend's Metric::Observe, or its heap was
+corrupted (issue 31). Kept alive for the life of the stub process, the series outlives
+every instance, and the next instance's counters continue where the last one's stopped.
+An info gauge (`vllm:lora_requests_info`) carries its reading's labels: each new set of labels is a new
+series whose value is the time it was set, and the latest series is the current state (as vLLM
+exports it).
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import triton_python_backend_utils as pb_utils
+
+# Every MetricFamily and Metric ever made by this process, with one reference each that is never
+# released: not even interpreter shutdown may send Triton their delete requests (see above).
+_NEVER_DELETED: list = []
+
+
+def keep_forever(obj):
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    _NEVER_DELETED.append(obj)
+    return obj
 
 def exported_name(metric) -> str:
     return metric.name + "_total" if metric.kind == "counter" else metric.name
@@ -17,7 +40,6 @@ def exported_name(metric) -> str:
 
 class MetricsExporter:
     def __init__(self, readings: list, labels: dict[str, str]) -> None:
-        # A MetricFamily must outlive its Metrics: both are kept here and dropped in close().
         self.families = {}
         self.metrics = {}
         self.previous = {}
@@ -27,13 +49,14 @@ class MetricsExporter:
         kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
                  "histogram": pb_utils.MetricFamily.HISTOGRAM}
         for reading in readings:
-            family = pb_utils.MetricFamily(name=exported_name(reading), description=reading.description,
-                                           kind=kinds[reading.kind])
+            family = keep_forever(pb_utils.MetricFamily(
+                name=exported_name(reading), description=reading.description, kind=kinds[reading.kind]))
             self.families[reading.name] = family
             if reading.kind == "histogram":
-                self.metrics[reading.name] = family.Metric(labels=labels, buckets=list(reading.buckets))
+                metric = family.Metric(labels=labels, buckets=list(reading.buckets))
             else:
-                self.metrics[reading.name] = family.Metric(labels=labels)
+                metric = family.Metric(labels=labels)
+            self.metrics[reading.name] = keep_forever(metric)
             self.previous[reading.name] = None
         self.update(readings)
 
@@ -46,10 +69,12 @@ class MetricsExporter:
             if reading.labels:
                 key = (reading.name, tuple(sorted(reading.labels.items())))
                 if key not in self.info_series:
-                    self.info_series[key] = self.families[reading.name].Metric(labels={**self.labels, **reading.labels})
+                    self.info_series[key] = keep_forever(
+                        self.families[reading.name].Metric(labels={**self.labels, **reading.labels}))
                 metric = self.info_series[key]
             if reading.kind == "gauge":
-                metric.set(reading.value)
+                if before is None or reading.value != before.value:  # each call is an IPC round trip
+                    metric.set(reading.value)
             elif reading.kind == "counter":
                 increase = reading.value - (before.value if before else 0.0)
                 if increase > 0:
@@ -60,7 +85,7 @@ class MetricsExporter:
             self.previous[reading.name] = reading
 
     def close(self) -> None:
-        self.info_series.clear()
+        """Stop updating; the Triton objects stay alive (see the module's docstring)."""
         self.metrics.clear()
         self.families.clear()
 

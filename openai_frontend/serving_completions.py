@@ -1,0 +1,126 @@
+"""POST /v1/completions: one Triton request per prompt, `n` samples each."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from openai_frontend.errors import invalid
+from openai_frontend.generation import (Choices, check_stream_options, log_completion, log_request, logprob_value,
+                                        replay, sampling_parameters, sse_stream, start, structured_outputs,
+                                        unless_disconnected)
+from openai_frontend.schemas import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from openai_frontend.triton import TokenLogprob
+
+
+
+MAX_PROMPTS_PER_REQUEST = 256
+MAX_SAMPLES_PER_REQUEST = 256  # prompts x n (or best_of): a quarter of the engine's default waiting queue
+
+
+def split_prompts(prompt) -> list[str | list[int]]:
+    """The prompt field's four shapes -> a list of prompts, each text or token ids."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
+
+
+def check_request_size(num_prompts: int, n: int, best_of: int | None, stream: bool) -> None:
+    """Bounds on one request's share of the engine: prompts, and samples (n or best_of, times
+    prompts). The prompts of a request are its unit: if the replica's queue cannot take them all,
+    the first refusal fails the whole request (503) and cancels the prompts already admitted."""
+    if num_prompts > MAX_PROMPTS_PER_REQUEST:
+        raise invalid("prompt", f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {num_prompts}")
+    if best_of is not None and best_of < n:
+        raise invalid("best_of", f"best_of: must be at least n ({n}), got {best_of}")
+    if best_of is not None and best_of != n and stream:
+        raise invalid("best_of", "best_of: a streamed request cannot pick its best samples; drop best_of or stream")
+    samples = num_prompts * (best_of or n)
+    if samples > MAX_SAMPLES_PER_REQUEST:
+        raise invalid("n", f"n: prompts times n (or best_of) must be at most {MAX_SAMPLES_PER_REQUEST} per request, "
+                           f"got {samples}")
+
+
+def completion_logprobs(entries: list[list[TokenLogprob]], offset: int) -> CompletionLogprobs:
+    """OpenAI's legacy shape: the sampled tokens, their logprobs, the top-N per position."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for position in entries:
+        sampled = position[0]
+        tokens.append(sampled.token)
+        token_logprobs.append(logprob_value(sampled.logprob))
+        top_logprobs.append({entry.token: logprob_value(entry.logprob) for entry in position})
+        text_offset.append(offset)
+        offset += len(sampled.token)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs,
+                              text_offset=text_offset)
+
+
+async def serve_completion(frontend, body: CompletionRequest, raw_request: Request):
+    adapter = frontend.check_llm_model(body.model)  # {} or the LoRA adapter's sampling parameters
+    include_usage = check_stream_options(body)
+    if body.echo and body.logprobs is not None:
+        raise invalid("echo", "echo: prompt logprobs are not supported; drop echo or logprobs")
+    items = split_prompts(body.prompt)
+    samples = body.best_of if body.best_of is not None else body.n
+    check_request_size(len(items), body.n, body.best_of, body.stream)
+    prompts = [frontend.prompts.encode(p) if isinstance(p, str) else frontend.prompts.check_token_ids(p, "prompt")
+               for p in items]
+    if not prompts or not all(prompts):
+        raise invalid("prompt", "prompt: must not be empty")
+    structured = structured_outputs(body)
+    parameters = [sampling_parameters(body, logprobs=body.logprobs, vocab_size=frontend.prompts.vocab_size,
+                                      max_tokens=frontend.prompts.max_tokens_for(len(ids), body.max_tokens, "prompt"),
+                                      structured=structured, n=samples) | adapter
+                  for ids in prompts]
+    echoes = [p if isinstance(p, str) else frontend.prompts.decode(p) for p in items] if body.echo else None
+    response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    choices = Choices(len(prompts), samples)
+    log_request(frontend, response_id, prompts, parameters)
+
+    if body.stream:
+        first, rest = await unless_disconnected(raw_request, start(frontend.triton, prompts, parameters, stream=True,
+                                                                   prompt_param="prompt",
+                                                                   structured_param=structured[1]))
+
+        async def events():
+            offsets = [0] * len(choices.choices)
+            if echoes:
+                for index in range(len(choices.choices)):
+                    yield chunk_event(index, echoes[index // body.n], None, None)
+            async for prompt_index, chunk in replay(first, rest):
+                for index, delta in choices.update(prompt_index, chunk):
+                    logprobs = None
+                    if body.logprobs is not None:
+                        logprobs = completion_logprobs(delta.logprobs or [], offsets[index]).model_dump()
+                        offsets[index] += len(delta.text)
+                    yield chunk_event(index, delta.text, logprobs, delta.finish_reason)
+            if include_usage:
+                yield {"id": response_id, "object": "text_completion", "created": created, "model": body.model,
+                       "choices": [], "usage": choices.usage().model_dump()}
+            log_completion(frontend, response_id, choices)
+
+        def chunk_event(index, text, logprobs, finish_reason) -> dict:
+            return {"id": response_id, "object": "text_completion", "created": created, "model": body.model,
+                    "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+        return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
+
+    async def collect():
+        first, rest = await start(frontend.triton, prompts, parameters, stream=False, prompt_param="prompt",
+                                  structured_param=structured[1])
+        async for prompt_index, chunk in replay(first, rest):
+            choices.update(prompt_index, chunk)
+
+    await unless_disconnected(raw_request, collect())
+    choices.keep_best(body.n)
+    log_completion(frontend, response_id, choices)
+    return CompletionResponse(
+        id=response_id, created=created, model=body.model, usage=choices.usage(),
+        choices=[CompletionChoice(
+            index=index, text=(echoes[index // body.n] if echoes else "") + choice.text,
+            finish_reason=choice.finish_reason,
+            logprobs=completion_logprobs(choice.logprobs, 0) if body.logprobs is not None else None)
+            for index, choice in enumerate(choices.choices)])
