@@ -75,7 +75,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len)
         self.vocab_size = self.runner.args.vocab_size
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                       config.enable_prefix_caching, self.runner.num_swap_blocks)
+                                       config.enable_prefix_caching, self.runner.num_swap_blocks,
+                                       sliding_window=self.limits.sliding_window)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, max_batched,
                                    config.enable_chunked_prefill, config.preemption_mode,
                                    config.scheduling_policy, config.max_loras if config.enable_lora else None)
@@ -130,10 +131,12 @@ class LLMEngine:
                               f"prompt, {params.max_tokens} max_tokens). Shorten the prompt or max_tokens.",
                               CONTEXT_LENGTH_EXCEEDED, max_model_len=self.max_model_len,
                               prompt_tokens=num_prompt, max_tokens=params.max_tokens)
-        needed = self.kv_cache.blocks_needed(num_prompt + params.max_tokens)
-        if needed > self.kv_cache.num_blocks:
+        step = self.limits.max_num_batched_tokens if self.config.enable_chunked_prefill else None
+        needed = self.kv_cache.most_blocks_held(num_prompt + params.max_tokens, step)
+        if needed > self.kv_cache.num_usable_blocks:
             raise EngineError("max_tokens", f"the request needs {needed} KV-cache blocks but only "
-                              f"{self.kv_cache.num_blocks} exist; raise kv_cache_memory_bytes", KV_CACHE_TOO_SMALL)
+                              f"{self.kv_cache.num_usable_blocks} exist; raise kv_cache_memory_bytes",
+                              KV_CACHE_TOO_SMALL)
         params.all_stop_token_ids = self.eos_token_ids | set(params.stop_token_ids or ())
         # Checked now, compiled on the grammar pool: the request waits in the queue meanwhile.
         grammar = self.grammars.submit(params.structured_outputs) if params.structured_outputs else None

@@ -29,7 +29,7 @@ from backend.errors import check
 from backend.kv_memory import KVCacheLayout
 from backend.lora.layers import LoRABatch, LoRAModel
 from backend.model_loader import load_model, model_args, resolve_device, resolve_dtype
-from backend.models.llama import check_parallel
+from backend.models import check_parallel
 from backend.request import Request
 
 logger = logging.getLogger(__name__)

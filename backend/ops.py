@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -96,11 +97,17 @@ def linear_silu_and_mul(gate_up: torch.nn.Module, x: torch.Tensor) -> torch.Tens
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """Write the step's keys and values into the cache, then attend. query [T, H, D], key/value
-    [T, KVH, D], kv_cache [2, KVH, num_blocks, block_size, D]. Returns [T, H * D]."""
+    [T, KVH, D], kv_cache [2, KVH, num_blocks, block_size, D]. Returns [T, H * D].
+
+    Hugging Face's semantics for the options: with a sliding window the query at position i sees
+    keys j with i - window < j <= i; a soft cap turns the scaled scores s into cap * tanh(s / cap)
+    before the softmax. Every path takes both; blocks wholly before a token's window are never read."""
+    options: dict[str, Any] = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if not _use_triton(query):
-        return attention.paged_attention(query, key, value, kv_cache, meta, scale)
+        return attention.paged_attention(query, key, value, kv_cache, meta, scale, **options)
     kernels = _triton()
     key_cache, value_cache = attention.cache_views(kv_cache)
     kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
@@ -109,11 +116,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_decodes = meta.num_decodes
     if num_decodes:
         kernels.paged_attention_decode(query[:num_decodes], key_cache, value_cache, meta.decode_block_tables,
-                                       meta.decode_seq_lens, scale, out=out[:num_decodes])
+                                       meta.decode_seq_lens, scale, out=out[:num_decodes], **options)
     if meta.prefills:
         kernels.paged_attention_prefill(query[num_decodes:], key_cache, value_cache, meta.prefill_block_tables,
                                         meta.prefill_query_starts, meta.prefill_seq_lens,
-                                        meta.max_prefill_query_len, scale, out=out[num_decodes:])
+                                        meta.max_prefill_query_len, scale, out=out[num_decodes:], **options)
     return out.view(num_tokens, num_heads * head_dim)
 
 

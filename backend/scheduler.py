@@ -103,6 +103,7 @@ class Scheduler:
             if num_new > budget and not self.enable_chunked_prefill:
                 continue
             num_new = min(num_new, budget)
+            self.kv_cache.free_behind_window(request)  # a sliding window on every layer: blocks it left
             while not self.kv_cache.allocate_slots(request, num_new + len(drafts)):
                 if drafts:  # no blocks for the drafts: decode without them before preempting anyone
                     drafts = []

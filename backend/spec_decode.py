@@ -66,13 +66,12 @@ class DraftModelProposer:
     accepted, catches up on the rest in one chunk and decodes k greedy tokens."""
 
     def __init__(self, config: SpeculativeConfig, engine_config, target, max_model_len: int) -> None:
-        from backend.model_loader import load_hf_config
+        from backend.model_loader import load_hf_config, model_args
         from backend.model_runner import ModelRunner  # the draft model's runner
-        from backend.models.llama import LlamaArgs
 
         path = os.path.expanduser(config.model)
         hf_config = load_hf_config(path)
-        args = LlamaArgs.from_hf_config(hf_config)
+        args = model_args(hf_config)
         if args.vocab_size != target.args.vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({args.vocab_size}) differs "
                              f"from the target model's ({target.args.vocab_size})")
