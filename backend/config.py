@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from backend.errors import EngineError, check
+from backend.lora import parse_lora_modules  # torch-free, like this module
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -65,6 +66,12 @@ class EngineConfig:
         "help": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                 "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} or {\"method\": \"draft_model\", "
                 "\"model\": PATH, \"num_speculative_tokens\": 4}"})
+    enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters (peft format) on the base model"})
+    max_loras: int = field(default=1, metadata={"help": "LoRA adapters held in the engine at once (one step mixes at most this many)"})
+    max_lora_rank: int = field(default=16, metadata={"help": "the largest LoRA rank an adapter may have"})
+    lora_modules: dict | list | str | None = field(default=None, metadata={
+        "help": "adapters served by name: name=path [name=path ...] (model.json: {\"name\": \"path\"})",
+        "nargs": "+"})
     skip_tokenizer_init: bool = field(default=False, metadata={"help": "token ids in, token ids out"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
 
@@ -101,6 +108,12 @@ class EngineConfig:
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         check_field(world_size % self.nnodes == 0, "nnodes",
                     f"must divide tensor_parallel_size x pipeline_parallel_size ({world_size})")
+        check_field(self.max_loras >= 1, "max_loras", "must be at least 1")
+        check_field(1 <= self.max_lora_rank <= 512, "max_lora_rank", "must be in [1, 512]")
+        self.lora_modules = parse_lora_modules(self.lora_modules) or None
+        check_field(self.enable_lora or not self.lora_modules, "lora_modules", "needs enable_lora")
+        check_field(not self.enable_lora or world_size == 1, "enable_lora",
+                    "runs without tensor/pipeline parallelism for now")
         if self.speculative_config is not None:
             speculative = SpeculativeConfig.parse(self.speculative_config)  # ValueError before anything starts
             check_field(speculative.method != "draft_model" or world_size == 1, "speculative_config",

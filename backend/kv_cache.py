@@ -1,7 +1,7 @@
 """KV-cache block manager: blocks, block tables, reference counts, prefix hashing and LRU reuse.
 
 A block holds `block_size` tokens' keys and values for every layer. Full blocks are keyed by a hash
-chained over (parent hash, the block's token ids, extra keys such as a cache salt); a hit is
+chained over (parent hash, the block's token ids, extra keys: a cache salt, a LoRA adapter); a hit is
 confirmed by comparing token ids. Freed blocks keep their contents and stay findable until the
 least-recently-used one is reused; a request's blocks are freed tail first so its tail is evicted
 before the shared head.
@@ -71,8 +71,8 @@ class KVCacheManager:
             return total
         return min(total, self.blocks_needed(self.sliding_window + max_step_tokens) + 1)
 
-    def _block_hash(self, parent: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
-        return hash((parent, token_ids, salt))
+    def _block_hash(self, parent: int | None, token_ids: tuple[int, ...], key: str | tuple | None) -> int:
+        return hash((parent, token_ids, key))
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding the longest cached prefix of the request, never covering its last token
@@ -84,7 +84,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for start in range(0, request.num_tokens - 1 - self.block_size + 1, self.block_size):
             block_tokens = tuple(tokens[start:start + self.block_size])
-            parent = self._block_hash(parent, block_tokens, request.cache_salt)
+            parent = self._block_hash(parent, block_tokens, request.cache_key)
             block_id = self.hash_to_block.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != block_tokens:
                 break
@@ -131,7 +131,7 @@ class KVCacheManager:
         for index in range(len(request.block_hashes), num_full):
             block_tokens = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
             parent = request.block_hashes[-1] if request.block_hashes else None
-            block_hash = self._block_hash(parent, block_tokens, request.cache_salt)
+            block_hash = self._block_hash(parent, block_tokens, request.cache_key)
             request.block_hashes.append(block_hash)
             if self.sliding_window and request.block_table[index] == NULL_BLOCK:  # freed: only the hash chain
                 continue

@@ -133,3 +133,16 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         from backend.kernels.quant_matmul import quant_matmul as kernel
         return kernel(x, qweight, scales, zeros, bits, bias)
     return reference.quant_matmul_reference(x, qweight, scales, zeros, bits, bias)
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, batch,
+             slot_weights: list | None = None) -> None:
+    """out += each token's LoRA delta, in place: x [T, in], lora_a [slots, R, in], lora_b [slots, out, R],
+    batch a backend.lora.layers.LoRABatch (segments of tokens sharing a slot); slot_weights: the CPU
+    path's per-slot views (see add_lora_reference)."""
+    if _use_triton(x):
+        from backend.kernels.lora import add_lora as kernel
+        kernel(out, x, lora_a, lora_b, batch.starts, batch.lengths, batch.slots, batch.max_length)
+        return
+    from backend.lora.layers import add_lora_reference
+    add_lora_reference(out, x, lora_a, lora_b, batch, slot_weights)

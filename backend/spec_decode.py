@@ -80,7 +80,8 @@ class DraftModelProposer:
         block_bytes = 2 * args.num_layers * engine_config.block_size * args.num_kv_heads * args.head_dim * element
         draft_config = dataclasses.replace(
             engine_config, model=path, quantization=None, speculative_config=None, preemption_mode="recompute",
-            kv_cache_memory_bytes=target.num_blocks * block_bytes, enable_prefix_caching=False)
+            kv_cache_memory_bytes=target.num_blocks * block_bytes, enable_prefix_caching=False,
+            enable_lora=False, lora_modules=None)  # the draft proposes without adapters; the target verifies with them
         self.runner = ModelRunner(draft_config, path, hf_config, max_model_len)
         # No prefix caching: a shadow's blocks hold drafts that may be rolled back.
         self.kv_cache = KVCacheManager(self.runner.num_blocks, engine_config.block_size, False)
