@@ -1,6 +1,7 @@
 """tritonllm's engine: `from backend import LLM, SamplingParams` mirrors vLLM's offline API."""
 
 from backend.config import EngineConfig
+from backend.lora import LoRARequest
 from backend.outputs import CompletionOutput, Logprob, RequestOutput
 from backend.sampling_params import RequestOutputKind, SamplingParams
 
@@ -19,5 +20,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineConfig", "SamplingParams",
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineConfig", "LoRARequest", "SamplingParams",
            "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]

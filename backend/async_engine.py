@@ -78,12 +78,13 @@ class AsyncLLMEngine:
 
     # -- any thread -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    on_output: OutputCallback, *, cache_salt: str | None = None, priority: int = 0) -> None:
+                    on_output: OutputCallback, *, cache_salt: str | None = None, priority: int = 0,
+                    lora_request=None) -> None:
         if self.errored or self._stopping:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         self._admit(params.n)  # before tokenizing: refusing must stay cheap under overload
         parent = self.engine.process_request(request_id, prompt, params, cache_salt=cache_salt,
-                                             priority=priority)
+                                             priority=priority, lora_request=lora_request)
         with self._wakeup:
             check(request_id not in self._callbacks, "request_id", "is already in use", request_id)
             self._admit(len(parent.children))

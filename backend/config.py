@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from backend.errors import EngineError, check
+from backend.lora import parse_lora_modules  # torch-free, like this module
 from backend.vllm_args import NO_REMOTE_CODE, translate
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,12 @@ class EngineConfig:
         "help": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                 "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} or {\"method\": \"draft_model\", "
                 "\"model\": PATH, \"num_speculative_tokens\": 4}"})
+    enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters (peft format) on the base model"})
+    max_loras: int = field(default=1, metadata={"help": "LoRA adapters held in the engine at once (one step mixes at most this many)"})
+    max_lora_rank: int = field(default=16, metadata={"help": "the largest LoRA rank an adapter may have"})
+    lora_modules: dict | list | str | None = field(default=None, metadata={
+        "help": "adapters served by name: name=path [name=path ...] (model.json: {\"name\": \"path\"})",
+        "nargs": "+"})
     skip_tokenizer_init: bool = field(default=False, metadata={"help": "token ids in, token ids out"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
 
@@ -124,6 +131,12 @@ class EngineConfig:
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         check_field(world_size % self.nnodes == 0, "nnodes",
                     f"must divide tensor_parallel_size x pipeline_parallel_size ({world_size})")
+        check_field(self.max_loras >= 1, "max_loras", "must be at least 1")
+        check_field(1 <= self.max_lora_rank <= 512, "max_lora_rank", "must be in [1, 512]")
+        self.lora_modules = parse_lora_modules(self.lora_modules) or None
+        check_field(self.enable_lora or not self.lora_modules, "lora_modules", "needs enable_lora")
+        check_field(not self.enable_lora or world_size == 1, "enable_lora",
+                    "runs without tensor/pipeline parallelism for now")
         if self.speculative_config is not None:
             speculative = SpeculativeConfig.parse(self.speculative_config)  # ValueError before anything starts
             check_field(speculative.method != "draft_model" or world_size == 1, "speculative_config",
@@ -266,7 +279,7 @@ class EngineLimits:
     (`resolve_limits`) and used by the engine, the scheduler and the runner alike."""
     max_model_len: int  # prompt + output tokens of one request
     max_num_batched_tokens: int  # tokens computed per step
-    sliding_window: int | None  # the model's attention window, None for full attention
+    sliding_window: int | None  # the window when every layer slides (KV blocks behind it are freed), else None
 
 
 def max_step_tokens(config: EngineConfig, max_model_len: int) -> int:
@@ -276,17 +289,33 @@ def max_step_tokens(config: EngineConfig, max_model_len: int) -> int:
     return 2048 if config.enable_chunked_prefill else max(2048, max_model_len)
 
 
+# Families whose config.json, without `layer_types`, means a window on every layer.
+ALL_SLIDING_MODEL_TYPES = {"mistral", "mixtral", "phi3", "starcoder2"}
+
+
+def all_layers_window(hf_config: dict) -> int | None:
+    """The sliding window when every layer attends through it (Mistral), else None: full
+    attention, or only some layers sliding (Gemma 2 and 3, Qwen2's max_window_layers), where
+    the global layers still need every block."""
+    window = hf_config.get("sliding_window")
+    if not window or hf_config.get("use_sliding_window") is False:
+        return None
+    layer_types = hf_config.get("layer_types")
+    if layer_types:
+        return window if all(t == "sliding_attention" for t in layer_types) else None
+    return window if hf_config.get("model_type") in ALL_SLIDING_MODEL_TYPES else None
+
+
 def resolve_limits(config: EngineConfig, hf_config: dict) -> EngineLimits:
-    """max_model_len (the config's, else the model's), the step token budget and the sliding window."""
+    """max_model_len (the config's, else the model's), the step token budget and the sliding
+    window of a model whose layers all slide. The attention kernels take windows, so the context
+    is not capped at the window."""
     model_limit = hf_config.get("max_position_embeddings", 2048)
-    window = hf_config.get("sliding_window") if hf_config.get("use_sliding_window", True) else None
-    if window:
-        # Attention here is full, so stay where full and sliding-window attention agree.
-        model_limit = min(model_limit, window)
+    window = all_layers_window(hf_config)
     check(config.max_model_len is None or config.max_model_len <= model_limit, "max_model_len",
           f"{config.max_model_len} exceeds the model's max_position_embeddings ({model_limit})")
     max_model_len = config.max_model_len or model_limit
     max_batched = max_step_tokens(config, max_model_len)
     check(config.enable_chunked_prefill or max_batched >= max_model_len, "max_num_batched_tokens",
           f"{max_batched} is smaller than max_model_len ({max_model_len}) while chunked prefill is off")
-    return EngineLimits(max_model_len, max_batched, window or None)
+    return EngineLimits(max_model_len, max_batched, window)

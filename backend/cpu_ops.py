@@ -40,7 +40,7 @@ SIGNATURES = {
     "rotary": [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64],
     "silu_and_mul": [ptr, ptr, i64, i64],
     "reshape_and_cache": [ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64],
-    "paged_attention": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32],
+    "paged_attention": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i64, f32],
     "sample_rows": [ptr, ptr, i64, i64, i64, ptr, ptr],
 }
 FLOAT32_ONLY = {"sample_rows"}  # logits are float32 whatever the model's dtype
@@ -166,11 +166,14 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                    token_rows: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    token_rows: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [T, H, D]; kv_cache [2, KVH, num_blocks, block_size, D]; block_tables [S, W], token_rows
     and context_lens [T] int32: token t attends to the first context_lens[t] positions of the
-    sequence in row token_rows[t] (a decode: all of it; a prefill token: up to itself). Returns
-    [T, H, D]."""
+    sequence in row token_rows[t] (a decode: all of it; a prefill token: up to itself), or with a
+    sliding window to the last `sliding_window` of them only (the blocks before are not read, so
+    their table entries may point anywhere). A soft cap turns scores s into cap * tanh(s / cap)
+    before the softmax. Returns [T, H, D]."""
     query = query.contiguous()
     tokens, heads, dim = query.shape
     _, kv_heads, num_blocks, block_size, _ = kv_cache.shape
@@ -180,7 +183,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     out = torch.empty_like(query)
     _call("paged_attention", query.dtype, out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(),
           block_tables.data_ptr(), block_tables.shape[1], token_rows.data_ptr(), context_lens.data_ptr(),
-          tokens, heads, kv_heads, dim, num_blocks, block_size, scale)
+          tokens, heads, kv_heads, dim, num_blocks, block_size, scale, sliding_window or 0,
+          logits_soft_cap or 0.0)
     return out
 
 

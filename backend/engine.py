@@ -16,6 +16,7 @@ from pathlib import Path
 
 from backend.config import EngineConfig, generation_defaults, resolve_limits
 from backend.kv_cache import KVCacheManager
+from backend.lora import LoRARequest
 from backend.metrics import EngineMetrics
 from backend.model_loader import load_hf_config
 from backend.model_paths import resolve_model_path
@@ -53,6 +54,11 @@ def eos_token_ids(model_path: str, hf_config: dict) -> set[int]:
     return set(ids) if isinstance(ids, list) else {ids}
 
 
+def lora_names(requests: list[Request]) -> str:
+    """The adapters of these requests, comma-separated (vllm:lora_requests_info's label form)."""
+    return ",".join(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -69,12 +75,13 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len)
         self.vocab_size = self.runner.args.vocab_size
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                       config.enable_prefix_caching, self.runner.num_swap_blocks)
+                                       config.enable_prefix_caching, self.runner.num_swap_blocks,
+                                       sliding_window=self.limits.sliding_window)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, max_batched,
                                    config.enable_chunked_prefill, config.preemption_mode,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, config.max_loras if config.enable_lora else None)
         self.sampler = Sampler(config.seed)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(config.enable_lora)
         self.spec = None if config.speculative_config is None else SpeculativeDecoder(
             config, self.runner, self.kv_cache, self.metrics, self.max_model_len)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
@@ -83,6 +90,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.metrics, self.eos_token_ids, self.max_model_len)
         # Sampling defaults for requests that omit them (generation_config: auto, vLLM's default).
         self.generation_defaults = generation_defaults(config, self.model_path)
+        self._update_gauges()  # vllm:lora_requests_info's labels from the start
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -111,16 +119,20 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     *, arrival_time: float | None = None, cache_salt: str | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         """Validate and queue a request; raises ValueError with a clear message if it can never run."""
         check(request_id not in self.output_processor.parents, "request_id", "is already in use", request_id)
         self.enqueue(self.process_request(request_id, prompt, params, arrival_time=arrival_time,
-                                          cache_salt=cache_salt, priority=priority))
+                                          cache_salt=cache_salt, priority=priority, lora_request=lora_request))
 
     def process_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                         *, arrival_time: float | None = None, cache_salt: str | None = None,
-                        priority: int = 0) -> ParentRequest:
+                        priority: int = 0, lora_request: LoRARequest | None = None) -> ParentRequest:
         """Tokenize and validate without touching engine state (safe from any thread)."""
+        if lora_request is not None:
+            check(isinstance(lora_request, LoRARequest), "lora_request", "must be a LoRARequest", lora_request)
+            check(self.runner.lora is not None, "lora_request", "LoRA adapters need enable_lora")
+            self.runner.lora.check(lora_request)
         params = copy.copy(params or SamplingParams())
         params.validate_for_model(self.vocab_size)
         check(isinstance(priority, int) and not isinstance(priority, bool), "priority", "must be an integer",
@@ -148,10 +160,12 @@ class LLMEngine:
                               f"prompt, {params.max_tokens} max_tokens). Shorten the prompt or max_tokens.",
                               CONTEXT_LENGTH_EXCEEDED, max_model_len=self.max_model_len,
                               prompt_tokens=num_prompt, max_tokens=params.max_tokens)
-        needed = self.kv_cache.blocks_needed(num_prompt + params.max_tokens)
-        if needed > self.kv_cache.num_blocks:
+        step = self.limits.max_num_batched_tokens if self.config.enable_chunked_prefill else None
+        needed = self.kv_cache.most_blocks_held(num_prompt + params.max_tokens, step)
+        if needed > self.kv_cache.num_usable_blocks:
             raise EngineError("max_tokens", f"the request needs {needed} KV-cache blocks but only "
-                              f"{self.kv_cache.num_blocks} exist; raise kv_cache_memory_bytes", KV_CACHE_TOO_SMALL)
+                              f"{self.kv_cache.num_usable_blocks} exist; raise kv_cache_memory_bytes",
+                              KV_CACHE_TOO_SMALL)
         params.all_stop_token_ids = self.eos_token_ids | set(params.stop_token_ids or ())
         # Checked now, compiled on the grammar pool: the request waits in the queue meanwhile.
         grammar = self.grammars.submit(params.structured_outputs) if params.structured_outputs else None
@@ -170,7 +184,7 @@ class LLMEngine:
                 child_id = f"{index}_{request_id}"
             request = Request(child_id, prompt_text, prompt_ids, child_params, index=index,
                               parent_id=request_id, cache_salt=cache_salt, priority=priority,
-                              arrival_time=arrival_time)
+                              arrival_time=arrival_time, lora_request=lora_request)
             if grammar is not None:
                 request.grammar = RequestGrammar(grammar)
             detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)
@@ -328,6 +342,12 @@ class LLMEngine:
         registry.set(m.num_requests_running, len(self.scheduler.running))
         registry.set(m.num_requests_waiting, len(self.scheduler.waiting))
         registry.set(m.kv_cache_usage_perc, self.kv_cache.usage)
+        if m.lora_requests_info is not None:
+            labels = {"running_lora_adapters": lora_names(self.scheduler.running),
+                      "waiting_lora_adapters": lora_names(self.scheduler.waiting),
+                      "max_lora": str(self.config.max_loras)}
+            if labels != m.lora_requests_info.labels:
+                registry.set_info(m.lora_requests_info, labels, time.time())
 
     def get_metrics(self):
         return self.metrics.registry.snapshot()

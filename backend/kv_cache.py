@@ -1,10 +1,16 @@
 """KV-cache block manager: blocks, block tables, reference counts, prefix hashing and LRU reuse.
 
 A block holds `block_size` tokens' keys and values for every layer. Full blocks are keyed by a hash
-chained over (parent hash, the block's token ids, extra keys such as a cache salt); a hit is
+chained over (parent hash, the block's token ids, extra keys: a cache salt, a LoRA adapter); a hit is
 confirmed by comparing token ids. Freed blocks keep their contents and stay findable until the
 least-recently-used one is reused; a request's blocks are freed tail first so its tail is evicted
 before the shared head.
+
+On a model whose layers all slide (`sliding_window`), blocks that no window can reach any more are
+freed while the request runs (`free_behind_window`): their block-table entries point at NULL_BLOCK,
+a block never handed out, so every position keeps its place in the table, and the attention
+kernels never read it (they start each token at its window). A freed block keeps its contents and
+hash like any freed block: a later prompt with the same prefix still hits it until it is evicted.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from backend.request import Request
+
+NULL_BLOCK = 0  # with a sliding window: where block-table entries behind every window point
 
 
 class Block:
@@ -26,7 +34,7 @@ class Block:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0) -> None:
+                 num_swap_blocks: int = 0, sliding_window: int | None = None) -> None:
         self.num_blocks = num_blocks
         self.num_swap_blocks = num_swap_blocks
         self.free_swap_blocks = list(range(num_swap_blocks))
@@ -36,6 +44,11 @@ class KVCacheManager:
         # Blocks with ref_count 0, least recently used first. Cached ones stay in hash_to_block.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.sliding_window = sliding_window
+        if sliding_window:
+            del self.free_blocks[NULL_BLOCK]
+        self.num_usable_blocks = len(self.free_blocks)
+        self.num_window_freed_blocks = 0  # blocks freed behind a sliding window, in total
 
     @property
     def num_free_blocks(self) -> int:
@@ -43,13 +56,23 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _block_hash(self, parent: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
-        return hash((parent, token_ids, salt))
+    def most_blocks_held(self, num_tokens: int, max_step_tokens: int | None) -> int:
+        """The most blocks a request of `num_tokens` holds at once, computing at most
+        `max_step_tokens` of them a step (None: its whole prompt may come in one step, or again
+        after a preemption by recompute). Under a sliding window a step holds the blocks of the
+        window before its first token and of its own tokens, one more where they straddle a block."""
+        total = self.blocks_needed(num_tokens)
+        if not self.sliding_window or max_step_tokens is None:
+            return total
+        return min(total, self.blocks_needed(self.sliding_window + max_step_tokens) + 1)
+
+    def _block_hash(self, parent: int | None, token_ids: tuple[int, ...], key: str | tuple | None) -> int:
+        return hash((parent, token_ids, key))
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding the longest cached prefix of the request, never covering its last token
@@ -61,7 +84,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for start in range(0, request.num_tokens - 1 - self.block_size + 1, self.block_size):
             block_tokens = tuple(tokens[start:start + self.block_size])
-            parent = self._block_hash(parent, block_tokens, request.cache_salt)
+            parent = self._block_hash(parent, block_tokens, request.cache_key)
             block_id = self.hash_to_block.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != block_tokens:
                 break
@@ -108,11 +131,31 @@ class KVCacheManager:
         for index in range(len(request.block_hashes), num_full):
             block_tokens = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
             parent = request.block_hashes[-1] if request.block_hashes else None
-            block_hash = self._block_hash(parent, block_tokens, request.cache_salt)
+            block_hash = self._block_hash(parent, block_tokens, request.cache_key)
             request.block_hashes.append(block_hash)
+            if self.sliding_window and request.block_table[index] == NULL_BLOCK:  # freed: only the hash chain
+                continue
             block = self.blocks[request.block_table[index]]
             block.hash, block.token_ids = block_hash, block_tokens
             self.hash_to_block.setdefault(block_hash, block.block_id)
+
+    def free_behind_window(self, request: Request) -> int:
+        """Free the request's whole blocks before the window of its next token (position
+        num_computed_tokens sees positions > num_computed_tokens - window; later tokens see less).
+        Returns how many it freed."""
+        if not self.sliding_window:
+            return 0
+        first_visible = request.num_computed_tokens + 1 - self.sliding_window
+        table = request.block_table
+        index = min(max(first_visible, 0) // self.block_size, len(table)) - 1
+        released = []
+        while index >= 0 and table[index] != NULL_BLOCK:  # freed entries form a prefix of the table
+            released.append(table[index])
+            table[index] = NULL_BLOCK
+            index -= 1
+        self._release(released[::-1])
+        self.num_window_freed_blocks += len(released)
+        return len(released)
 
     def free(self, request: Request) -> None:
         """Drop the request's references, tail first. Uncached blocks are reused first; cached
@@ -130,6 +173,8 @@ class KVCacheManager:
 
     def _release(self, block_ids: list[int]) -> None:
         for block_id in reversed(block_ids):
+            if self.sliding_window and block_id == NULL_BLOCK:
+                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:

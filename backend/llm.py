@@ -7,6 +7,8 @@ from typing import Any, Sequence
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
+from backend.errors import EngineError
+from backend.lora import LoRARequest
 from backend.outputs import RequestOutput
 from backend.sampling_params import RequestOutputKind, SamplingParams
 
@@ -31,29 +33,37 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion, batched; outputs come back in the prompts' order.
-        `priority` (one per prompt, lower first) needs scheduling_policy="priority", as in vLLM."""
+        lora_request: one adapter for every prompt, or one (or None) per prompt. `priority` (one
+        per prompt, lower first) needs scheduling_policy="priority", as in vLLM."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params: give one, or one per prompt")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise EngineError("lora_request", "give one, or one per prompt")
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
-            raise ValueError("priority: give one per prompt")
+            raise EngineError("priority", "give one per prompt")
         order: dict[str, int] = {}
-        for prompt, params, rank in zip(prompts, sampling_params, priority):
+        for prompt, params, lora, rank in zip(prompts, sampling_params, lora_request, priority):
             params = SamplingParams(**{**params.__dict__, "output_kind": RequestOutputKind.FINAL_ONLY})
             request_id = str(next(self._request_counter))
             order[request_id] = len(order)
-            self.llm_engine.add_request(request_id, prompt, params, priority=rank)
+            self.llm_engine.add_request(request_id, prompt, params, lora_request=lora, priority=rank)
         return self._run(order, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
-             chat_template: str | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+             chat_template: str | None = None, use_tqdm: bool = False,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Render each conversation with the tokenizer's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
@@ -62,7 +72,7 @@ class LLM:
                    for conversation in conversations]
         # The template already holds the special tokens; don't let the tokenizer add a BOS twice.
         token_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-        outputs = self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(token_ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         for output, prompt in zip(outputs, prompts):
             output.prompt = prompt
         return outputs

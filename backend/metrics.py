@@ -30,6 +30,7 @@ class Metric:
     bucket_counts: list[int] = field(default_factory=list)  # cumulative, one per bucket, then +Inf
     sum: float = 0.0
     count: int = 0
+    labels: dict[str, str] = field(default_factory=dict)  # an info gauge's labels (vllm:lora_requests_info)
 
 
 class MetricsRegistry:
@@ -58,6 +59,10 @@ class MetricsRegistry:
     def set(self, metric: Metric, value: float) -> None:
         metric.value = value
 
+    def set_info(self, metric: Metric, labels: dict[str, str], value: float) -> None:
+        with self._lock:
+            metric.labels, metric.value = dict(labels), value
+
     def observe(self, metric: Metric, value: float) -> None:
         with self._lock:
             first = bisect.bisect_left(metric.buckets, value)
@@ -69,13 +74,13 @@ class MetricsRegistry:
     def snapshot(self) -> list[Metric]:
         with self._lock:
             return [Metric(m.name, m.kind, m.description, m.value, m.buckets,
-                           list(m.bucket_counts), m.sum, m.count) for m in self._metrics.values()]
+                           list(m.bucket_counts), m.sum, m.count, dict(m.labels)) for m in self._metrics.values()]
 
 
 class EngineMetrics:
     """The engine's metrics, created once; attribute names follow the metric names."""
 
-    def __init__(self) -> None:
+    def __init__(self, enable_lora: bool = False) -> None:
         r = self.registry = MetricsRegistry()
         self.num_requests_running = r.gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = r.gauge("vllm:num_requests_waiting", "Requests waiting to run.")
@@ -91,4 +96,8 @@ class EngineMetrics:
         self.spec_decode_num_accepted_tokens = r.counter("vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")
         self.time_to_first_token = r.histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.inter_token_latency = r.histogram("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+        # vLLM's info gauge: labels running_lora_adapters, waiting_lora_adapters (comma-separated
+        # names) and max_lora; the value is the time they last changed.
+        self.lora_requests_info = r.gauge("vllm:lora_requests_info", "Running stats on LoRA requests.") \
+            if enable_lora else None
         self.e2e_request_latency = r.histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)

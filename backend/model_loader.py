@@ -13,10 +13,10 @@ from torch import nn
 from backend import cpu_ops, quantization
 from backend.config import EngineConfig
 from backend.errors import EngineError
-from backend.models.llama import LlamaArgs, LlamaForCausalLM
+from backend import models
+from backend.models import ModelArgs
 from backend.parallel_state import ParallelState
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,16 +47,13 @@ def load_hf_config(model_path: str) -> dict:
     if not path.is_file():
         raise EngineError("model", f"{model_path!r} is not a Hugging Face model folder (no config.json)")
     config = json.loads(path.read_text())
-    architectures = set(config.get("architectures") or [])
-    if not architectures & SUPPORTED_ARCHITECTURES:
-        raise EngineError("model", f"architecture {sorted(architectures)} is not supported "
-                          f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+    models.architecture(config)  # an unknown architecture fails here, naming the supported ones
     return config
 
 
-def model_args(hf_config: dict) -> LlamaArgs:
-    """The network's shape from its config.json."""
-    return LlamaArgs.from_hf_config(hf_config)
+def model_args(hf_config: dict) -> ModelArgs:
+    """The network's shape and options from its config.json (the registry picks the family)."""
+    return models.model_args(hf_config)
 
 
 def iterate_safetensors(model_path: str):
@@ -76,7 +73,7 @@ def load_model(config: EngineConfig, model_path: str, hf_config: dict, parallel:
     """This rank's shard of the model: built on the meta device, its weights loaded straight onto
     `device`, cast to `dtype`, quantized (load-time methods) and, on a CPU, packed for the CPU kernels."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(model_args(hf_config), parallel)
+        model = models.build_model(model_args(hf_config), parallel)
         quantization.prepare(model, quant, model_path, dtype)
     model = model.to_empty(device=device)
     model.post_init()

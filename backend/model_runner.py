@@ -27,8 +27,9 @@ from backend.attention import AttentionMetadata, PrefillSpan
 from backend.config import EngineConfig
 from backend.errors import check
 from backend.kv_memory import KVCacheLayout
+from backend.lora.layers import LoRABatch, LoRAModel
 from backend.model_loader import load_model, model_args, resolve_device, resolve_dtype
-from backend.models.llama import check_parallel
+from backend.models import check_parallel
 from backend.request import Request
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class StepPlan:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: list[int]
+    lora: LoRABatch | None = None  # the tokens of each adapter, when LoRA is on
 
 
 class ModelRunner:
@@ -63,6 +65,8 @@ class ModelRunner:
         except BaseException:
             self.shutdown()
             raise
+        # LoRA wraps the loaded (on the CPU, packed) projections, before the KV cache is sized.
+        self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         self._allocate_kv_cache()
         self.cuda_graphs = self._capture_cuda_graphs()
         logger.info("model %s on %s in %s; KV cache %d blocks of %d tokens", model_path,
@@ -110,8 +114,8 @@ class ModelRunner:
 
     def _capture_cuda_graphs(self):
         """Decode steps as CUDA graphs: one GPU only (the ranks of a parallel engine run eagerly)."""
-        if self.device.type != "cuda" or self.parallel.world_size > 1:
-            return None
+        if self.device.type != "cuda" or self.parallel.world_size > 1 or self.lora is not None:
+            return None  # (LoRA steps run eagerly: a graph would freeze one step's adapter segments)
         from backend.cuda_graphs import CudaGraphs, cuda_graph_batch_sizes  # GPU only: never imported on the CPU
 
         return CudaGraphs(self.model, self.kv_caches, cuda_graph_batch_sizes(self.config.max_num_seqs),
@@ -148,6 +152,9 @@ class ModelRunner:
         for batch in micro_batches(scheduled, self.parallel.pp_size):
             decodes = [(r, n) for r, n in batch if n == 1 and r.num_computed_tokens > 0]
             prefills = [(r, n) for r, n in batch if not (n == 1 and r.num_computed_tokens > 0)]
+            lora_batch = None
+            if self.lora is not None:
+                decodes, prefills, lora_batch = self._lora_layout(decodes, prefills)
             input_ids, positions, meta = self._prepare(decodes, prefills)
             # Only a request whose step reaches its last known token samples the next one; one with
             # speculative drafts also gets a row for each of them, to verify it.
@@ -159,7 +166,7 @@ class ModelRunner:
                 if request.num_computed_tokens + n == request.num_tokens + num_drafts:
                     rows.extend(range(offset - 1 - num_drafts, offset))
                     sample_requests.append(request)
-            plans.append(StepPlan(input_ids, positions, meta, rows))
+            plans.append(StepPlan(input_ids, positions, meta, rows, lora_batch))
         if self.parallel.world_size > 1:
             parallel_state.broadcast_plan(("step", plans), self.parallel)
         logits = self._run(plans)
@@ -167,11 +174,25 @@ class ModelRunner:
             return torch.empty(0, self.args.vocab_size), []
         return logits.cpu(), sample_requests
 
+    def _lora_layout(self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]):
+        """Load the step's adapters into slots and order the decodes, then the prefills, by slot,
+        so that each adapter's tokens form one run (a segment) in each: (decodes, prefills, LoRABatch)."""
+        slot_of = self.lora.activate([r.lora_request for r, _ in decodes + prefills if r.lora_request is not None])
+
+        def slot(item: tuple[Request, int]) -> int:
+            lora = item[0].lora_request
+            return -1 if lora is None else slot_of[lora.lora_int_id]
+
+        decodes, prefills = sorted(decodes, key=slot), sorted(prefills, key=slot)
+        return decodes, prefills, LoRABatch.build([(n, slot((r, n))) for r, n in decodes + prefills], self.device)
+
     def _run(self, plans: list[StepPlan]) -> torch.Tensor | None:
         """This rank's part of a step; on rank 0, the sampled rows' logits of all micro-batches."""
         parallel, model = self.parallel, self.model
         logits, sends = [], []
         for plan in plans:
+            if self.lora is not None:
+                self.lora.context.batch = plan.lora
             hidden = residual = None
             if not parallel.is_first_stage:  # the previous stage's output for this micro-batch
                 shape = (len(plan.positions), self.args.hidden_size)

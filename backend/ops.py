@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -96,11 +97,17 @@ def linear_silu_and_mul(gate_up: torch.nn.Module, x: torch.Tensor) -> torch.Tens
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """Write the step's keys and values into the cache, then attend. query [T, H, D], key/value
-    [T, KVH, D], kv_cache [2, KVH, num_blocks, block_size, D]. Returns [T, H * D]."""
+    [T, KVH, D], kv_cache [2, KVH, num_blocks, block_size, D]. Returns [T, H * D].
+
+    Hugging Face's semantics for the options: with a sliding window the query at position i sees
+    keys j with i - window < j <= i; a soft cap turns the scaled scores s into cap * tanh(s / cap)
+    before the softmax. Every path takes both; blocks wholly before a token's window are never read."""
+    options: dict[str, Any] = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if not _use_triton(query):
-        return attention.paged_attention(query, key, value, kv_cache, meta, scale)
+        return attention.paged_attention(query, key, value, kv_cache, meta, scale, **options)
     kernels = _triton()
     key_cache, value_cache = attention.cache_views(kv_cache)
     kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
@@ -109,11 +116,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_decodes = meta.num_decodes
     if num_decodes:
         kernels.paged_attention_decode(query[:num_decodes], key_cache, value_cache, meta.decode_block_tables,
-                                       meta.decode_seq_lens, scale, out=out[:num_decodes])
+                                       meta.decode_seq_lens, scale, out=out[:num_decodes], **options)
     if meta.prefills:
         kernels.paged_attention_prefill(query[num_decodes:], key_cache, value_cache, meta.prefill_block_tables,
                                         meta.prefill_query_starts, meta.prefill_seq_lens,
-                                        meta.max_prefill_query_len, scale, out=out[num_decodes:])
+                                        meta.max_prefill_query_len, scale, out=out[num_decodes:], **options)
     return out.view(num_tokens, num_heads * head_dim)
 
 
@@ -126,3 +133,16 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         from backend.kernels.quant_matmul import quant_matmul as kernel
         return kernel(x, qweight, scales, zeros, bits, bias)
     return reference.quant_matmul_reference(x, qweight, scales, zeros, bits, bias)
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, batch,
+             slot_weights: list | None = None) -> None:
+    """out += each token's LoRA delta, in place: x [T, in], lora_a [slots, R, in], lora_b [slots, out, R],
+    batch a backend.lora.layers.LoRABatch (segments of tokens sharing a slot); slot_weights: the CPU
+    path's per-slot views (see add_lora_reference)."""
+    if _use_triton(x):
+        from backend.kernels.lora import add_lora as kernel
+        kernel(out, x, lora_a, lora_b, batch.starts, batch.lengths, batch.slots, batch.max_length)
+        return
+    from backend.lora.layers import add_lora_reference
+    add_lora_reference(out, x, lora_a, lora_b, batch, slot_weights)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from backend.lora import LoRARequest
 from backend.outputs import RequestMetrics, SampleLogprobs
 from backend.sampling_params import SamplingParams
 
@@ -31,7 +32,7 @@ class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, *, index: int = 0, parent_id: str | None = None,
                  cache_salt: str | None = None, priority: int = 0,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         self.index = index  # which of the parent's n samples this is
@@ -39,6 +40,7 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # the adapter this request runs with, or None for the base model
         self.priority = priority
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -59,6 +61,14 @@ class Request:
         self.grammar: RequestGrammar | None = None  # structured outputs: where the sample is in its grammar
         self.spec_token_ids: list[int] = []  # speculative decoding: drafts for the next step to verify
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+
+    @property
+    def cache_key(self) -> str | tuple | None:
+        """What the prefix cache keys this request's blocks by besides their tokens: its cache salt,
+        and its adapter (two adapters compute different keys and values for the same tokens)."""
+        if self.lora_request is None:
+            return self.cache_salt
+        return (self.cache_salt, self.lora_request.lora_int_id)
 
     @property
     def num_prompt_tokens(self) -> int:

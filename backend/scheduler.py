@@ -42,13 +42,14 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, preemption_mode: str = "recompute",
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", max_loras: int | None = None) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
         self.by_priority = scheduling_policy == "priority"
+        self.max_loras = max_loras  # distinct LoRA adapters a step may hold (the runner's slots)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         # n > 1 with prefix caching: a request's other samples wait until its first one has computed
@@ -102,6 +103,7 @@ class Scheduler:
             if num_new > budget and not self.enable_chunked_prefill:
                 continue
             num_new = min(num_new, budget)
+            self.kv_cache.free_behind_window(request)  # a sliding window on every layer: blocks it left
             while not self.kv_cache.allocate_slots(request, num_new + len(drafts)):
                 if drafts:  # no blocks for the drafts: decode without them before preempting anyone
                     drafts = []
@@ -131,7 +133,8 @@ class Scheduler:
                        - len(cached_blocks) * self.kv_cache.block_size)
             fits_budget = num_new <= budget or self.enable_chunked_prefill
             num_new = min(num_new, budget)
-            if not (fits_budget and self.kv_cache.allocate_slots(request, num_new, cached_blocks)):
+            if not (fits_budget and self._adapter_fits(request)
+                    and self.kv_cache.allocate_slots(request, num_new, cached_blocks)):
                 if request.num_skips < MAX_HEAD_OF_LINE_SKIPS:
                     request.num_skips += 1
                     index += 1
@@ -149,6 +152,14 @@ class Scheduler:
             budget -= num_new
         out.scheduled = list(scheduled.items())
         return out
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether running the request keeps the adapters among the running within max_loras."""
+        lora = request.lora_request
+        if lora is None or self.max_loras is None:
+            return True
+        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return lora.lora_int_id in adapters or len(adapters) < self.max_loras
 
     def _choose_victim(self) -> Request:
         if not self.by_priority:

@@ -66,13 +66,12 @@ class DraftModelProposer:
     accepted, catches up on the rest in one chunk and decodes k greedy tokens."""
 
     def __init__(self, config: SpeculativeConfig, engine_config, target, max_model_len: int) -> None:
-        from backend.model_loader import load_hf_config
+        from backend.model_loader import load_hf_config, model_args
         from backend.model_runner import ModelRunner  # the draft model's runner
-        from backend.models.llama import LlamaArgs
 
         path = os.path.expanduser(config.model)
         hf_config = load_hf_config(path)
-        args = LlamaArgs.from_hf_config(hf_config)
+        args = model_args(hf_config)
         if args.vocab_size != target.args.vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({args.vocab_size}) differs "
                              f"from the target model's ({target.args.vocab_size})")
@@ -81,7 +80,8 @@ class DraftModelProposer:
         block_bytes = 2 * args.num_layers * engine_config.block_size * args.num_kv_heads * args.head_dim * element
         draft_config = dataclasses.replace(
             engine_config, model=path, quantization=None, speculative_config=None, preemption_mode="recompute",
-            kv_cache_memory_bytes=target.num_blocks * block_bytes, enable_prefix_caching=False)
+            kv_cache_memory_bytes=target.num_blocks * block_bytes, enable_prefix_caching=False,
+            enable_lora=False, lora_modules=None)  # the draft proposes without adapters; the target verifies with them
         self.runner = ModelRunner(draft_config, path, hf_config, max_model_len)
         # No prefix caching: a shadow's blocks hold drafts that may be rolled back.
         self.kv_cache = KVCacheManager(self.runner.num_blocks, engine_config.block_size, False)

@@ -58,7 +58,7 @@ MULTIMODAL = "tritonllm serves text-only models; multimodal settings have nothin
 CUDA_GRAPHS = "the engine decides CUDA-graph capture itself (backend/cuda_graphs.py); nothing to do on a CPU"
 NO_RAY = "one engine process with its own workers (backend/distributed.py); no Ray, no executor choice"
 LOGGING = "the engine logs no periodic stats or requests; metrics are on Triton's metrics port"
-LORA = "LoRA adapters are not served by this engine yet"
+LORA = "LoRA adapters are served (enable_lora, max_loras, max_lora_rank, lora_modules); this setting has no counterpart"
 SPECULATIVE = "give speculative_config (vLLM's JSON) instead of the older separate arguments"
 DATA_PARALLEL = ("one engine per Triton model instance: scale out with replicas behind the OpenAI "
                  "frontend's router (`tritonllm serve --no-frontend` on each, docs/deploy.md)")
@@ -173,8 +173,6 @@ VLLM_ENGINE_ARGS: dict[str, VllmArg] = {
     "max_cpu_loras": ignored(LORA),
     "lora_dtype": ignored(LORA),
     "lora_extra_vocab_size": ignored(LORA),
-    "max_loras": ignored(LORA),
-    "max_lora_rank": ignored(LORA),
     "fully_sharded_loras": ignored(LORA),
     "long_lora_scaling_factors": ignored(LORA),
     # -- honoured at their defaults only; any other value asks for what we cannot do
@@ -199,7 +197,6 @@ VLLM_ENGINE_ARGS: dict[str, VllmArg] = {
     "rope_scaling": default_only(MODEL_CHANGES),
     "rope_theta": default_only(MODEL_CHANGES),
     "override_attention_dtype": default_only(MODEL_CHANGES),
-    "enable_lora": default_only(LORA),
     "enable_lora_bias": default_only(LORA),
     "default_mm_loras": default_only(LORA),
     "qlora_adapter_name_or_path": default_only(LORA),
@@ -230,7 +227,7 @@ SAME_NAME = ("model", "tokenizer", "skip_tokenizer_init", "revision", "seed", "m
              "max_num_seqs", "quantization", "kv_cache_dtype", "device", "preemption_mode",
              "enable_chunked_prefill", "speculative_config", "scheduling_policy", "generation_config",
              "override_generation_config", "stream_interval", "nnodes", "node_rank", "master_addr",
-             "master_port")
+             "master_port", "enable_lora", "max_loras", "max_lora_rank")
 
 
 def translate(values: dict[str, Any], own_fields: set[str]) -> tuple[dict[str, Any], list[str]]:

@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -16,14 +17,17 @@ from fastapi import FastAPI, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
+from backend.lora import parse_lora_modules
+
 from openai_frontend.errors import OpenAIError, invalid, model_not_found, validation_error
 from openai_frontend.generation import CLIENT_GONE, ClientDisconnected
 from openai_frontend.metrics import FrontendMetrics, MetricsMiddleware
 from openai_frontend.prompts import PromptBuilder
 from openai_frontend.replicas import DNS_PREFIX, ROUTING, Replicas
-from openai_frontend.routers import chat, completions, embeddings, models, system
+from openai_frontend.routers import chat, completions, embeddings, lora, models, system
 
 EMBEDDINGS_MODEL_NAME = "all-MiniLM-L6-v2"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's opt-in, honoured as is
 DEFAULT_TRITON_URL = "127.0.0.1:8001"
 # Open without the API key: probes and scrapers. Everything else (every /v1 route) needs it.
 PUBLIC_PATHS = frozenset({"/health", "/health/ready", "/health/live", "/version", "/metrics", "/openapi.json",
@@ -53,6 +57,9 @@ class Settings:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     chat_template: str | None = None  # a Jinja chat template, or a file holding one, instead of the model's
     tool_call_parser: str = "hermes"  # the model's tool-call format (openai_frontend/tool_parsers.py)
+    lora_modules: list[str] = field(default_factory=list)  # `name=path`: adapters served as model ids
+    # vLLM's runtime /v1/load_lora_adapter and /v1/unload_lora_adapter (they load files: API key required)
+    allow_runtime_lora_updating: bool = False
     request_timeout: float | None = None  # seconds for a whole request (Triton cancels it past them); none
     header_timeout: float = 10.0  # seconds a client has to send a request's headers
     body_timeout: float = 30.0  # seconds a client has to send a request's body, once its headers are in
@@ -73,7 +80,13 @@ class Settings:
         for url in self.triton_urls():
             if not url.removeprefix(DNS_PREFIX).rpartition(":")[2].isdigit():
                 raise ValueError(f"triton_url: `{url}` needs a port (host:port or dns:///name:port)")
-        return Settings(**{**self.__dict__, "model": model,
+        parse_lora_modules(self.lora_modules)  # EngineError (a ValueError) naming lora_modules
+        allow_updates = self.allow_runtime_lora_updating or \
+            os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
+        if allow_updates and not self.api_key:
+            raise ValueError(f"allow_runtime_lora_updating ({RUNTIME_LORA_ENV}): the endpoints load files, "
+                             "so they need an API key (--api-key)")
+        return Settings(**{**self.__dict__, "model": model, "allow_runtime_lora_updating": allow_updates,
                            "served_model_name": self.served_model_name or Path(model).name})
 
     def triton_urls(self) -> list[str]:
@@ -93,10 +106,18 @@ class Frontend:
                                settings.request_timeout)
         self.metrics = FrontendMetrics(self.triton)
         self.started = int(time.time())
+        # LoRA adapters served as model ids: name -> (path, registered at runtime). The Triton model
+        # knows the static ones by name; a runtime one travels with its path.
+        self.loras: dict[str, tuple[str, bool]] = {
+            name: (path, False) for name, path in parse_lora_modules(settings.lora_modules).items()}
 
-    def check_llm_model(self, name: str) -> None:
+    def check_llm_model(self, name: str) -> dict[str, str]:
+        """The sampling parameters that pick the model: {} for the base, the adapter's for a LoRA."""
         if name == self.settings.served_model_name:
-            return
+            return {}
+        if name in self.loras:
+            path, runtime = self.loras[name]
+            return {"lora_name": name, "lora_path": path} if runtime else {"lora_name": name}
         if name == self.settings.embeddings_model_name:
             raise invalid("model", f"model: `{name}` is an embeddings model; use /v1/embeddings")
         raise model_not_found(name)
@@ -194,6 +215,8 @@ def build_app(settings: Settings) -> FastAPI:
     app.state.frontend = frontend
     for router in (models, completions, chat, embeddings, system):
         app.include_router(router.router)
+    if settings.allow_runtime_lora_updating:  # never without an API key (Settings.resolved)
+        app.include_router(lora.router)
 
     @app.exception_handler(OpenAIError)
     async def on_openai_error(_, error: OpenAIError):

@@ -47,6 +47,10 @@ HELP = {
                                     "from the prefix cache (vLLM's flag)",
     "chat_template": "a Jinja chat template, or a file holding one, used instead of the model's (vLLM's "
                      "--chat-template)",
+    "lora_modules": "LoRA adapters to serve, each as a model id: name=path [name=path ...] (the Tritons must "
+                    "serve them too: tritonllm serve --lora-modules passes them to both)",
+    "allow_runtime_lora_updating": "add vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs "
+                                   "--api-key; also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
     "tool_call_parser": "how tool calls are written in the model's output: hermes (<tool_call>{...}</tool_call>) "
                         "or json",
     "request_timeout": "seconds a whole request may take, streams included, before it fails with 504 and "
@@ -135,8 +139,8 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, str]:
         if f.type.startswith("bool"):
             parser.add_argument(flag, action="store_true", help=HELP[f.name])
             continue
-        if f.type.startswith("list"):
-            parser.add_argument(flag, action="append", default=[], help=HELP[f.name])
+        if f.type.startswith("list"):  # repeated, or several after one flag (vLLM's --lora-modules a=x b=y)
+            parser.add_argument(flag, action="extend", nargs="+", default=[], help=HELP[f.name])
             continue
         kind = int if f.type.startswith("int") else float if f.type.startswith("float") else str
         default = os.environ.get(API_KEY_ENV) if f.name == "api_key" else f.default

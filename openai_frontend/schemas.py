@@ -267,6 +267,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tritonllm"
+    root: str | None = None  # a LoRA adapter: its folder
+    parent: str | None = None  # a LoRA adapter: the base model's id
     max_model_len: int | None = None
 
 

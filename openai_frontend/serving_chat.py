@@ -81,7 +81,7 @@ def chat_logprobs(entries: list[list[SampledLogprob]], top_logprobs: int) -> Cha
 
 
 async def serve_chat_completion(frontend, body: ChatCompletionRequest, raw_request: Request):
-    frontend.check_llm_model(body.model)
+    adapter = frontend.check_llm_model(body.model)  # {} or the LoRA adapter's sampling parameters
     include_usage = check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs: needs logprobs set to true")
@@ -99,7 +99,7 @@ async def serve_chat_completion(frontend, body: ChatCompletionRequest, raw_reque
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = frontend.prompts.max_tokens_for(len(prompt_ids), requested, "messages")
     parameters = sampling_parameters(body, max_tokens=max_tokens, logprobs=top_logprobs,
-                                     vocab_size=frontend.prompts.vocab_size, structured=structured)
+                                     vocab_size=frontend.prompts.vocab_size, structured=structured) | adapter
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     choices = Choices(1, body.n, frontend.settings.enable_prompt_tokens_details)
     log_request(frontend, response_id, [prompt_ids], [parameters])

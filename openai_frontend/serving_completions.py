@@ -59,7 +59,7 @@ def completion_logprobs(entries: list[list[TokenLogprob]], offset: int) -> Compl
 
 
 async def serve_completion(frontend, body: CompletionRequest, raw_request: Request):
-    frontend.check_llm_model(body.model)
+    adapter = frontend.check_llm_model(body.model)  # {} or the LoRA adapter's sampling parameters
     include_usage = check_stream_options(body)
     if body.echo and body.logprobs is not None:
         raise invalid("echo", "echo: prompt logprobs are not supported; drop echo or logprobs")
@@ -73,7 +73,7 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
     structured = structured_outputs(body)
     parameters = [sampling_parameters(body, logprobs=body.logprobs, vocab_size=frontend.prompts.vocab_size,
                                       max_tokens=frontend.prompts.max_tokens_for(len(ids), body.max_tokens, "prompt"),
-                                      structured=structured, n=samples)
+                                      structured=structured, n=samples) | adapter
                   for ids in prompts]
     echoes = [p if isinstance(p, str) else frontend.prompts.decode(p) for p in items] if body.echo else None
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())

@@ -221,3 +221,50 @@ def test_sample_rows_argmax_and_inverse_cdf():
     odd = torch.full((2, 1003), float("-inf"))
     odd[0, 1001], odd[1, 500] = 0.0, 2.0
     assert cpu_ops.sample_rows(odd, torch.ones(2), torch.tensor([0.999, 0.0])).tolist() == [1001, 500]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 2, 128)])
+@pytest.mark.parametrize("window", [None, 1, 15, 16, 17, 40, 300])
+@pytest.mark.parametrize("cap", [None, 1.5])  # scores about N(0, 1): a cap of 1.5 bends most
+def test_sliding_window_and_soft_cap_match_reference(dtype, heads, kv_heads, head_dim, window, cap):
+    """Decodes and prefill chunks (one after a cached prefix) under windows smaller than, equal to
+    and larger than their contexts, on and off block boundaries, with and without a soft cap: each
+    token as the reference's decode of its own position."""
+    torch.manual_seed(0)
+    num_blocks, block_size = 64, 16
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    sequences = [(40, 1), (15, 1), (16, 1), (0, 37), (21, 50)]  # (cached before, tokens this step)
+    width = max(-(-(done + new) // block_size) for done, new in sequences)
+    tables = torch.randperm(num_blocks)[:width * len(sequences)].view(len(sequences), width).to(torch.int32)
+    rows, lens = [], []
+    for row, (done, new) in enumerate(sequences):
+        rows += [row] * new
+        lens += range(done + 1, done + new + 1)
+    rows, lens = torch.tensor(rows, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn(len(rows), heads, head_dim, dtype=dtype)
+    scale = head_dim ** -0.5
+    actual = cpu_ops.paged_attention(query, cache, tables, rows, lens, scale, sliding_window=window,
+                                     logits_soft_cap=cap)
+    # Against float32 arithmetic: bfloat16 outputs of a few positions are near 1, where its step is 1/128.
+    expected = reference.paged_attention_decode_reference(query.float(), *cache_views(cache.float()),
+                                                          tables[rows.long()], lens, scale,
+                                                          sliding_window=window, logits_soft_cap=cap)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sliding_window_never_reads_blocks_before_it(dtype):
+    """Blocks wholly before every token's window may hold anything (freed, reused): NaN there changes
+    nothing. Decodes at 70 and 64 positions and a chunk of 6 ending at 70, window 20, blocks of 16."""
+    torch.manual_seed(0)
+    cache = torch.randn(2, 2, 8, 16, 64, dtype=dtype)
+    tables = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 3, 4]], dtype=torch.int32)
+    rows = torch.tensor([0, 1] + [1] * 6, dtype=torch.int32)
+    lens = torch.tensor([70, 64] + list(range(65, 71)), dtype=torch.int32)
+    query = torch.randn(len(rows), 4, 64, dtype=dtype)
+    expected = cpu_ops.paged_attention(query, cache, tables, rows, lens, 0.125, sliding_window=20)
+    cache[:, :, [0, 1, 5, 6]] = float("nan")  # positions 0-31 of both sequences; windows start at 44+
+    actual = cpu_ops.paged_attention(query, cache, tables, rows, lens, 0.125, sliding_window=20)
+    assert torch.equal(actual, expected)

@@ -109,6 +109,55 @@ def test_prefill_attention_matches_reference(block_size, head_dim, group):
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
 
 
+WINDOWS = [1, 16, 17, 40, 300]  # smaller than, on and off block boundaries, larger than the contexts
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("cap", [None, 1.5])
+def test_decode_attention_sliding_window_and_soft_cap(window, cap):
+    """Windows against the reference, with and without split-K; a soft cap of 1.5 bends most of
+    these scores (about N(0, 1)). Blocks wholly before each window hold NaN: never read."""
+    torch.manual_seed(5)
+    seq_lens = [1, 16, 17, 40, 150]
+    cache, key_cache, value_cache = paged_cache(24, 16, 64, torch.float32)
+    tables = block_tables_for(seq_lens, 16, 24)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(len(seq_lens), 6, 64, device=DEVICE)
+    expected = reference.paged_attention_decode_reference(query, key_cache, value_cache, tables, lens, 0.125,
+                                                          sliding_window=window, logits_soft_cap=cap)
+    for i, n in enumerate(seq_lens):
+        unseen = max(0, n - window) // 16  # whole blocks before the window
+        cache[:, :, tables[i, :unseen].long()] = float("nan")
+    for num_splits in (1, 3):
+        out = paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125, num_splits=num_splits,
+                                     sliding_window=window, logits_soft_cap=cap)
+        torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("cap", [None, 1.5])
+def test_prefill_attention_sliding_window_and_soft_cap(window, cap):
+    """A fresh 70-token prompt (two query tiles), a chunk after a cached prefix and one token over a
+    prefix, under windows and a soft cap; blocks before the first query's window hold NaN."""
+    torch.manual_seed(6)
+    chunks = [(70, 70), (5, 40), (1, 33)]
+    seq_lens = [context for _, context in chunks]
+    cache, key_cache, value_cache = paged_cache(24, 16, 64, torch.float32)
+    tables = block_tables_for(seq_lens, 16, 24)
+    starts = torch.tensor([0] + torch.tensor([n for n, _ in chunks]).cumsum(0).tolist(), dtype=torch.int32,
+                          device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(int(starts[-1]), 6, 64, device=DEVICE)
+    expected = reference.paged_attention_prefill_reference(query, key_cache, value_cache, tables, starts, lens,
+                                                           0.125, sliding_window=window, logits_soft_cap=cap)
+    for i, (new, context) in enumerate(chunks):
+        unseen = max(0, context - new + 1 - window) // 16
+        cache[:, :, tables[i, :unseen].long()] = float("nan")
+    out = paged_attention_prefill(query, key_cache, value_cache, tables, starts, lens, 70, 0.125,
+                                  sliding_window=window, logits_soft_cap=cap)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_prefill_attention_half_precision(dtype):
     torch.manual_seed(4)

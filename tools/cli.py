@@ -34,7 +34,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if f.type.startswith("bool"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            group.add_argument(flag, default=None, metavar=f.name.upper(), help=help_text)
+            group.add_argument(flag, default=None, metavar=f.name.upper(), help=help_text,
+                               nargs=f.metadata.get("nargs"))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -141,6 +141,8 @@ def start_frontend(args: argparse.Namespace, server: TritonServer, engine_args: 
     for name in ("served_model_name", "tokenizer", "max_model_len", "chat_template"):
         if getattr(args, name, None) is not None:
             command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if engine_args.get("lora_modules"):  # the frontend serves each adapter as a model id
+        command += ["--lora-modules", *(f"{name}={path}" for name, path in engine_args["lora_modules"].items())]
     if getattr(args, "log_requests", False):
         command.append("--log-requests")
     if getattr(args, "enable_prompt_tokens_details", False):

@@ -155,20 +155,29 @@ __attribute__((always_inline)) inline int64_t row_of(const int32_t* table, int64
 }
 
 // One item of attention work, a (token, KV head): where its keys and values are, its sequence's
-// block table and how many positions it attends to.
+// block table and the positions [begin, len) it attends to (begin > 0 under a sliding window: the
+// positions, and whole blocks, before it are never read).
 template <typename T>
 struct Item {
   const T* keys = nullptr;
   const T* values = nullptr;
   const int32_t* table = nullptr;
   int64_t len = 0;
+  int64_t begin = 0;
 };
+
+// A logit soft cap (Gemma 2's): scores become cap * tanh(scores / cap), with tanh(x) as
+// 1 - 2 / (exp(2x) + 1) on the lanes (exp overflowing to inf gives 1, to 0 gives -1).
+__attribute__((always_inline)) inline vfloat soft_cap(vfloat scores, float cap) {
+  return cap - (2.f * cap) / (exp_lanes(scores * (2.f / cap)) + 1.f);
+}
 
 // Ask for the keys and values of an item's positions [start, start + 16) into the cache level
 // `Locality` names (__builtin_prefetch's: 3 = L1, 2 = L2).
 template <int Locality, typename T>
 __attribute__((always_inline)) inline void prefetch_rows(const Item<T>& item, int64_t start, int64_t block_size,
                                                          int64_t dim) {
+  if (start < item.begin) return;
   for (int64_t pos = start; pos < std::min(item.len, start + kLanes); ++pos) {
     const int64_t row = row_of(item.table, pos, block_size) * dim;
     for (int64_t byte = 0; byte < dim * int64_t(sizeof(T)); byte += 64) {
@@ -197,7 +206,8 @@ __attribute__((always_inline)) inline void prefetch_after_jump(const Item<T>& it
 // so everything lives in registers.
 template <typename T, int G, int V>
 __attribute__((optimize("fp-contract=fast")))  // FMAs: attention need not match torch bit for bit
-void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next, int64_t block_size, float scale) {
+void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next, int64_t block_size, float scale,
+                float cap) {
   constexpr int64_t dim = V * kLanes;
   const T *key_cache = item.keys, *value_cache = item.values;
   const int64_t len = item.len;
@@ -208,11 +218,13 @@ void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next
     max[g] = -INFINITY;
   }
   const T* keys[kLanes];
-  for (int64_t start = 0; start < len; start += kLanes) {
+  // The next item's positions run `shift` behind (or ahead of) this one's, chunk by chunk.
+  const int64_t shift = next.begin - item.begin;
+  for (int64_t start = item.begin; start < len; start += kLanes) {
     const int64_t count = std::min<int64_t>(len - start, kLanes);
     for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(item.table, start + p, block_size) * dim;
     prefetch_after_jump(item, start + kLanes, block_size, dim);
-    prefetch_rows<2>(next, start, block_size, dim);
+    prefetch_rows<2>(next, start + shift, block_size, dim);
     for (int64_t p = 0; p < kLanes; ++p) {  // each query head's 16 partial dot products per position
       vfloat partial[G] = {};
       if (p < count)
@@ -225,6 +237,7 @@ void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next
     vfloat probs[G];
     for (int g = 0; g < G; ++g) {
       vfloat scores = sum_each(dots[g]) * scale;
+      if (cap > 0.f) scores = soft_cap(scores, cap);
       for (int64_t p = count; p < kLanes; ++p) scores[p] = -INFINITY;
       float new_max = std::max(max[g], max_lanes(scores));
       float correction = std::exp(max[g] - new_max);
@@ -242,7 +255,7 @@ void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next
       }
     }
   }
-  for (int64_t start = len; start < next.len; start += kLanes) prefetch_rows<2>(next, start, block_size, dim);
+  for (int64_t start = len + shift; start < next.len; start += kLanes) prefetch_rows<2>(next, start, block_size, dim);
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < V; ++j) store(out + g * dim + j * kLanes, acc[g][j] / sum[g]);
 }
@@ -261,7 +274,7 @@ void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next
 template <int G, int W>
 __attribute__((optimize("fp-contract=fast")))
 void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, const Item<bf16>& next,
-                         int64_t block_size, float scale) {
+                         int64_t block_size, float scale, float cap) {
   constexpr int64_t dim = 32 * W;
   const bf16 *key_cache = item.keys, *value_cache = item.values;
   const int64_t len = item.len;
@@ -278,11 +291,13 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, c
     max[g] = -INFINITY;
   }
   const bf16* keys[kLanes];
-  for (int64_t start = 0; start < len; start += kLanes) {
+  // The next item's positions run `shift` behind (or ahead of) this one's, chunk by chunk.
+  const int64_t shift = next.begin - item.begin;
+  for (int64_t start = item.begin; start < len; start += kLanes) {
     const int64_t count = std::min<int64_t>(len - start, kLanes);
     for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(item.table, start + p, block_size) * dim;
     prefetch_after_jump(item, start + kLanes, block_size, dim);
-    prefetch_rows<2>(next, start, block_size, dim);
+    prefetch_rows<2>(next, start + shift, block_size, dim);
     for (int64_t p = 0; p < kLanes; ++p) {
       __m512 partial[G];
       for (int g = 0; g < G; ++g) partial[g] = _mm512_setzero_ps();
@@ -295,6 +310,7 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, c
     }
     for (int g = 0; g < G; ++g) {
       vfloat scores = sum_each(dots[g]) * scale;
+      if (cap > 0.f) scores = soft_cap(scores, cap);
       for (int64_t p = count; p < kLanes; ++p) scores[p] = -INFINITY;
       const float new_max = std::max(max[g], max_lanes(scores));
       if (new_max > max[g]) {  // rescale only when the running max moves (rarely after the start)
@@ -326,7 +342,7 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, c
       }
     }
   }
-  for (int64_t start = len; start < next.len; start += kLanes) prefetch_rows<2>(next, start, block_size, dim);
+  for (int64_t start = len + shift; start < next.len; start += kLanes) prefetch_rows<2>(next, start, block_size, dim);
   const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int g = 0; g < G; ++g) {
@@ -340,7 +356,7 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, c
 #endif
 
 template <typename T>
-using AttendOne = void (*)(T*, const T*, const Item<T>&, const Item<T>&, int64_t, float);
+using AttendOne = void (*)(T*, const T*, const Item<T>&, const Item<T>&, int64_t, float, float);
 
 template <typename T, int V>
 AttendOne<T> pick_group(int64_t group) {
@@ -379,12 +395,14 @@ AttendOne<bf16> pick_group_bf16_dot(int64_t group) {
 // block_tables: a decode token to its whole sequence, a prefill token to the positions up to its
 // own (causal, cached prefix included). One kernel for the step's decodes and prefill chunks; a
 // prefill chunk's keys and values stay in cache while its tokens, taken in order, read them. The
-// Python side only calls with dim 64 or 128 and at most 8 query heads per KV head.
+// Python side only calls with dim 64 or 128 and at most 8 query heads per KV head. A sliding
+// `window` > 0 starts each token at position max(0, context_lens[t] - window) (it sees keys j with
+// position - window < j <= position); a soft `cap` > 0 caps the scaled scores before the softmax.
 template <typename T>
 void paged_attention(T* out, const T* query, const T* cache, const int32_t* block_tables,
                      int64_t table_width, const int32_t* token_rows, const int32_t* context_lens,
                      int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
-                     int64_t block_size, float scale) {
+                     int64_t block_size, float scale, int64_t window, float cap) {
   const int64_t group = heads / kv_heads, head_cache = num_blocks * block_size * dim;
   AttendOne<T> one = dim == 64 ? pick_group<T, 4>(group) : pick_group<T, 8>(group);
 #if defined(__AVX512BF16__)
@@ -393,8 +411,10 @@ void paged_attention(T* out, const T* query, const T* cache, const int32_t* bloc
   const int64_t items = tokens * kv_heads;  // item i: token i / kv_heads, KV head i % kv_heads
   auto item_at = [&](int64_t item) {
     const int64_t t = item / kv_heads, kvh = item % kv_heads;
+    const int64_t len = context_lens[t];
     return Item<T>{cache + kvh * head_cache, cache + (kv_heads + kvh) * head_cache,
-                   block_tables + token_rows[t] * table_width, context_lens[t]};
+                   block_tables + token_rows[t] * table_width, len,
+                   window > 0 ? std::max<int64_t>(0, len - window) : 0};
   };
   // The item a thread takes after the current one is asked for into L2 a chunk at a time while the
   // current one computes: a decode's blocks are in no cache, and the kernel otherwise waits on
@@ -416,7 +436,7 @@ void paged_attention(T* out, const T* query, const T* cache, const int32_t* bloc
     while (item < items) {
       const int64_t following = claimed++;
       const int64_t offset = (item / kv_heads * heads + item % kv_heads * group) * dim;
-      one(out + offset, query + offset, item_at(item), to_prefetch(following), block_size, scale);
+      one(out + offset, query + offset, item_at(item), to_prefetch(following), block_size, scale, cap);
       item = following;
     }
   }
@@ -521,10 +541,10 @@ void sample_rows(int64_t* out, const float* logits, int64_t stride, int64_t rows
       void* out, const void* query, const void* cache, const int32_t* block_tables,                  \
       int64_t table_width, const int32_t* token_rows, const int32_t* context_lens, int64_t tokens,    \
       int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks, int64_t block_size,          \
-      float scale) {                                                                                 \
+      float scale, int64_t window, float cap) {                                                      \
     paged_attention<T>((T*)out, (const T*)query, (const T*)cache, block_tables, table_width,        \
                        token_rows, context_lens, tokens, heads, kv_heads, dim, num_blocks,           \
-                       block_size, scale);                                                           \
+                       block_size, scale, window, cap);                                              \
   }
 
 extern "C" void sample_rows_f32(int64_t* out, const float* logits, int64_t stride, int64_t rows,

@@ -7,7 +7,10 @@ sequences the context is split across programs (flash-decoding) and a second ker
 partial results; with one split the first kernel writes the output itself.
 
 The cache is read through strides, so any layout of [num_blocks, block_size, KVH, D] with a
-contiguous last dimension works, including a view of the engine's head-major cache.
+contiguous last dimension works, including a view of the engine's head-major cache. Under a sliding
+window a sequence's keys start at max(0, seq_len - window): the splits share only those, and blocks
+before them are never read (the engine may have freed them). A soft cap bends the scores before the
+softmax, as Gemma 2 does.
 Reference: `reference.paged_attention_decode_reference`.
 """
 
@@ -24,26 +27,41 @@ TILE = 64  # keys per loop iteration
 MAX_SPLITS = 16
 
 
-@triton.jit(do_not_specialize=["stride_table_seq"])  # the table width changes every step
+@triton.jit
+def soft_cap(scores, cap):
+    """cap * tanh(scores / cap), with tanh(x) = 1 - 2 / (exp(2x) + 1) (exp overflowing gives 1);
+    scores and cap in the same (base-2) units."""
+    return cap - 2.0 * cap / (tl.exp(2.0 * scores / cap) + 1.0)
+
+
+def window_arg(sliding_window: int | None) -> int:
+    """The kernels' window argument: a number larger than any context for none."""
+    return sliding_window if sliding_window is not None else 1 << 30
+
+
+@triton.jit(do_not_specialize=["stride_table_seq", "window"])  # the table width changes every step
 def _decode_kernel(
     query, key_cache, value_cache, block_tables, seq_lens, out, partial_out, partial_max, partial_sum,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    window,  # the sliding window; a huge number for none
+    cap,  # the logit soft cap * log2(e), used where SOFT_CAP
     stride_q_seq, stride_q_head,
     stride_k_block, stride_k_slot, stride_k_head,
     stride_v_block, stride_v_slot, stride_v_head,
     stride_table_seq, stride_out_seq, stride_out_head,
     SPLIT: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens + seq)
+    first = tl.maximum(seq_len - window, 0)  # the window's first key
     # Each split takes a whole number of BLOCK_N tiles; trailing splits of short sequences are empty.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -74,6 +92,8 @@ def _decode_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        if SOFT_CAP:
+            scores = soft_cap(scores, cap)
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp2(scores - m_new[:, None])
@@ -135,9 +155,11 @@ def _num_sms(device: torch.device) -> int:
 
 def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, out: torch.Tensor | None = None, *,
+                           sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [S, H, D]; key/value_cache [num_blocks, block_size, KVH, D] (any strides, D contiguous);
     block_tables int32 [S, max_blocks]; seq_lens int32 [S] (0 marks a padded slot: zeros out).
+    The options as in `reference.paged_attention_decode_reference`.
     Returns out [S, H, D] in query's dtype. num_splits defaults to `choose_num_splits` over the
     block table's width, so a fixed-shape batch (a CUDA graph) gets a fixed launch."""
     num_seqs, num_heads, head_dim = query.shape
@@ -161,14 +183,14 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
         partial_out = partial_max = partial_sum = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, partial_out, partial_max, partial_sum,
-        scale * LOG2E,
+        scale * LOG2E, window_arg(sliding_window), (logits_soft_cap or 1.0) * LOG2E,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         SPLIT=num_splits > 1, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=TILE, BLOCK_D=block_d,
-        UPCAST=upcast, PRECISION=precision,
+        UPCAST=upcast, PRECISION=precision, SOFT_CAP=logits_soft_cap is not None,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

@@ -58,11 +58,14 @@ def reshape_and_cache_reference(key: torch.Tensor, value: torch.Tensor, key_cach
 
 def paged_attention_decode_reference(query: torch.Tensor, key_cache: torch.Tensor,
                                      value_cache: torch.Tensor, block_tables: torch.Tensor,
-                                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                     seq_lens: torch.Tensor, scale: float, *, sliding_window: int | None = None,
+                                     logits_soft_cap: float | None = None) -> torch.Tensor:
     """One query token per sequence over its cached context.
 
     query [S, H, D]; key/value_cache [num_blocks, block_size, KVH, D]; block_tables [S, max_blocks]
-    (padded with any valid block id); seq_lens [S]. Returns [S, H, D].
+    (padded with any valid block id); seq_lens [S]. Returns [S, H, D]. `sliding_window`: the query
+    (at position seq_len - 1) sees only the last `sliding_window` positions; `logits_soft_cap`:
+    scores become cap * tanh(scores / cap) before the softmax.
 
     Written as two batched matmuls with the query heads grouped under their KV head over the
     gathered blocks: on the CPU this runs several times faster than SDPA's flash kernel, which is
@@ -76,22 +79,53 @@ def paged_attention_decode_reference(query: torch.Tensor, key_cache: torch.Tenso
     values = gather_blocks(value_cache, blocks).view(num_kv_heads, num_seqs, -1, head_dim).to(query.dtype)
     grouped = query.view(num_seqs, num_kv_heads, -1, head_dim).transpose(0, 1)  # [KVH, S, G, D]
     scores = torch.matmul(grouped, keys.transpose(2, 3)) * scale  # [KVH, S, G, L]
-    beyond = torch.arange(keys.shape[2], device=query.device) >= seq_lens.unsqueeze(1)  # [S, L]
-    scores.masked_fill_(beyond.unsqueeze(1), float("-inf"))
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    key_positions = torch.arange(keys.shape[2], device=query.device)
+    hidden = key_positions >= seq_lens.unsqueeze(1)  # [S, L]
+    if sliding_window is not None:
+        hidden |= key_positions <= seq_lens.unsqueeze(1) - 1 - sliding_window
+    scores.masked_fill_(hidden.unsqueeze(1), float("-inf"))
     probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
     out = torch.matmul(probs, values)  # [KVH, S, G, D]
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
+def causal_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               query_positions: torch.Tensor, scale: float, *, sliding_window: int | None = None,
+                               logits_soft_cap: float | None = None) -> torch.Tensor:
+    """One sequence's queries over its keys at positions 0..L-1. query [H, Tq, D], key/value
+    [KVH, L, D], query_positions [Tq]. Returns [H, Tq, D]. Key j is seen by the query at position i
+    when j <= i (and i - sliding_window < j); a soft cap applies before the softmax, as in Hugging
+    Face's eager attention (SDPA where there is none)."""
+    key_positions = torch.arange(key.shape[1], device=query.device)
+    rows = query_positions.unsqueeze(1)
+    visible = key_positions.unsqueeze(0) <= rows  # [Tq, L]
+    if sliding_window is not None:
+        visible &= key_positions.unsqueeze(0) > rows - sliding_window
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
+                                              attn_mask=visible, scale=scale,
+                                              enable_gqa=query.shape[0] != key.shape[0])[0]
+    group = query.shape[0] // key.shape[0]
+    key, value = key.repeat_interleave(group, dim=0), value.repeat_interleave(group, dim=0)
+    scores = torch.matmul(query, key.transpose(1, 2)) * scale  # [H, Tq, L]
+    scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value)
+
+
 def paged_attention_prefill_reference(query: torch.Tensor, key_cache: torch.Tensor,
                                       value_cache: torch.Tensor, block_tables: torch.Tensor,
                                       query_starts: torch.Tensor, seq_lens: torch.Tensor,
-                                      scale: float) -> torch.Tensor:
+                                      scale: float, *, sliding_window: int | None = None,
+                                      logits_soft_cap: float | None = None) -> torch.Tensor:
     """Variable-length causal queries over the cache, which already holds their own keys.
 
     query [T, H, D] (sequence i's queries are rows query_starts[i]:query_starts[i + 1], the last
     tokens of its seq_lens[i]); key/value_cache [num_blocks, block_size, KVH, D]; block_tables
-    [P, max_blocks]. Returns [T, H, D]."""
+    [P, max_blocks]. Returns [T, H, D]. The options as in `causal_attention_reference`."""
     out = torch.empty_like(query)
     starts, lens = query_starts.tolist(), seq_lens.tolist()
     block_size = key_cache.shape[1]
@@ -99,14 +133,12 @@ def paged_attention_prefill_reference(query: torch.Tensor, key_cache: torch.Tens
         rows = slice(starts[i], starts[i + 1])
         num_query = starts[i + 1] - starts[i]
         blocks = block_tables[i, :-(-context_len // block_size)]
-        k = gather_blocks(key_cache, blocks)[:, :context_len].unsqueeze(0)  # [1, KVH, L, D]
-        v = gather_blocks(value_cache, blocks)[:, :context_len].unsqueeze(0)
-        q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Tq, D]
-        positions = torch.arange(num_query, device=query.device).unsqueeze(1) + context_len - num_query
-        mask = torch.arange(context_len, device=query.device).unsqueeze(0) <= positions
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                                  enable_gqa=q.shape[1] != k.shape[1])
-        out[rows] = attended[0].transpose(0, 1)
+        k = gather_blocks(key_cache, blocks)[:, :context_len]  # [KVH, L, D]
+        v = gather_blocks(value_cache, blocks)[:, :context_len]
+        positions = torch.arange(num_query, device=query.device) + context_len - num_query
+        attended = causal_attention_reference(query[rows].transpose(0, 1), k, v, positions, scale,
+                                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        out[rows] = attended.transpose(0, 1)
     return out
 
 

@@ -62,7 +62,7 @@ def iterate_weights(model_path: str, quant: QuantConfig | None, hf_config: dict)
         return None
     num_heads = hf_config["num_attention_heads"]
     return gguf.iterate_weights(model_path, num_heads, hf_config.get("num_key_value_heads") or num_heads,
-                                hf_config.get("model_type", "llama"), hf_config.get("tie_word_embeddings", False))
+                                hf_config.get("tie_word_embeddings", False))
 
 
 @torch.no_grad()

@@ -31,11 +31,22 @@ from torch import nn
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGMLQuantizationType values
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # per 32 weights
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# transformers' model_type for a GGUF -> the architecture we run
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
 LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj"}
+               "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Where a GGUF architecture (general.architecture) names a layer's tensors otherwise.
+GEMMA_LAYER_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
+ARCHITECTURE_LAYER_NAMES = {
+    "gemma2": GEMMA_LAYER_NAMES, "gemma3": GEMMA_LAYER_NAMES,
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # stored fused, as Phi-3's checkpoints
+}
+NORMS_PLUS_ONE = ("gemma2", "gemma3")  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 FUSED_MODULES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
                  "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
@@ -94,11 +105,18 @@ def gguf_file(model_path: str) -> Path:
     return files[0]
 
 
-def hf_name(name: str) -> str | None:
+def architecture(reader) -> str:
+    """The file's general.architecture (llama.cpp's name: "llama", "qwen3", "gemma2", ...)."""
+    field = reader.fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def hf_name(name: str, arch: str = "llama") -> str | None:
     """GGUF tensor name -> Hugging Face's (None: not a weight we load, e.g. rope_freqs)."""
     parts = name.split(".")
-    if parts[0] == "blk" and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[-1]}"
+    layer_names = {**LAYER_NAMES, **ARCHITECTURE_LAYER_NAMES.get(arch, {})}
+    if parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[-1]}"
     if parts[0] in TOP_NAMES:
         return f"{TOP_NAMES[parts[0]]}.{parts[-1]}"
     return None
@@ -117,8 +135,10 @@ def block_types(path: Path, tie_word_embeddings: bool) -> dict[str, int]:
     from gguf import GGUFReader
 
     types: dict[str, set[int]] = {}
-    for tensor in GGUFReader(path).tensors:
-        hf = hf_name(tensor.name)
+    reader = GGUFReader(path)
+    arch = architecture(reader)
+    for tensor in reader.tensors:
+        hf = hf_name(tensor.name, arch)
         if hf is not None and hf.endswith(".weight"):
             types.setdefault(module_name(hf), set()).add(int(tensor.tensor_type))
     if tie_word_embeddings and "embed_tokens" in types:
@@ -126,25 +146,29 @@ def block_types(path: Path, tie_word_embeddings: bool) -> dict[str, int]:
     return {name: next(iter(t)) for name, t in types.items() if len(t) == 1 and next(iter(t)) in BLOCK_BYTES}
 
 
-def iterate_weights(model_path: str, num_heads: int, num_kv_heads: int, model_type: str,
-                    tie_word_embeddings: bool):
+def iterate_weights(model_path: str, num_heads: int, num_kv_heads: int, tie_word_embeddings: bool):
     """(Hugging Face name, tensor) for each weight: uint8 blocks for block-kept modules, float32
-    for everything else."""
+    for everything else, with llama.cpp's changes undone (Llama's q/k row order, Gemma's norms + 1)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize as gguf_dequantize
 
     path = gguf_file(model_path)
     kept = block_types(path, tie_word_embeddings)
-    for tensor in GGUFReader(path).tensors:
-        hf = hf_name(tensor.name)
+    reader = GGUFReader(path)
+    arch = architecture(reader)
+    for tensor in reader.tensors:
+        hf = hf_name(tensor.name, arch)
         if hf is None:
             continue
         if module_name(hf) in kept and hf.endswith(".weight"):
             weight = torch.from_numpy(np.array(tensor.data))
         else:
             weight = torch.from_numpy(np.array(gguf_dequantize(tensor.data, tensor.tensor_type)))  # a copy: writable
-        if model_type != "qwen2" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
-            weight = unpermute_rows(weight, num_heads if tensor.name.split(".")[-2] == "attn_q" else num_kv_heads)
+        kind = tensor.name.split(".")[-2]
+        if arch in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
+            weight = unpermute_rows(weight, num_heads if kind == "attn_q" else num_kv_heads)
+        if arch in NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
+            weight = weight - 1
         yield hf, weight
 
 
@@ -185,6 +209,22 @@ def gguf_model_folder(model: str) -> Path | None:
     return folder
 
 
+def metadata_config(path: Path) -> dict:
+    """Config fields llama.cpp stores that transformers' GGUF reader leaves at their defaults: the
+    head size (when it is not hidden / heads) and Gemma 2's soft caps."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = architecture(reader)
+    found = {}
+    for key, name in (("attention.key_length", "head_dim"), ("attn_logit_softcapping", "attn_logit_softcapping"),
+                      ("final_logit_softcapping", "final_logit_softcapping")):
+        field = reader.fields.get(f"{arch}.{key}")
+        if field is not None:
+            found[name] = field.parts[field.data[0]].tolist()[0]
+    return found
+
+
 def write_model_folder(path: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -193,6 +233,7 @@ def write_model_folder(path: Path, out: Path) -> None:
         raise ValueError(f"model: GGUF architecture {config.get('model_type')!r} is not supported "
                          f"(supported: {', '.join(ARCHITECTURES)})")
     config["architectures"] = [ARCHITECTURES[config["model_type"]]]
+    config.update(metadata_config(path))
     config["quantization_config"] = {"quant_method": "gguf"}
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

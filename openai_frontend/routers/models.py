@@ -1,5 +1,5 @@
-"""GET /v1/models: the LLM (under --served-model-name) and the embeddings model, when at least one
-Triton replica has them loaded."""
+"""GET /v1/models: the LLM (under --served-model-name), its LoRA adapters (the base model as their
+`parent`) and the embeddings model, when at least one Triton replica has them loaded."""
 
 from __future__ import annotations
 
@@ -15,8 +15,11 @@ router = APIRouter()
 async def model_cards(frontend) -> list[ModelCard]:
     cards = []
     if await frontend.triton.model_ready(LLM_MODEL):
-        cards.append(ModelCard(id=frontend.settings.served_model_name, created=frontend.started,
-                               max_model_len=frontend.prompts.max_model_len))
+        base = frontend.settings.served_model_name
+        cards.append(ModelCard(id=base, created=frontend.started, max_model_len=frontend.prompts.max_model_len))
+        cards += [ModelCard(id=name, created=frontend.started, root=path, parent=base,
+                            max_model_len=frontend.prompts.max_model_len)
+                  for name, (path, _) in frontend.loras.items()]
     if await frontend.triton.model_ready(EMBEDDINGS_MODEL):
         cards.append(ModelCard(id=frontend.settings.embeddings_model_name, created=frontend.started))
     return cards

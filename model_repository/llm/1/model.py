@@ -37,6 +37,8 @@ except ImportError as error:  # the stub runs an isolated Python: PYTHONPATH doe
     raise ImportError("tritonllm's `backend` package is not importable by Triton's Python stub; "
                       "install it into the Python that runs tritonserver (pip install -e .)") from error
 
+from backend.errors import EngineError
+from backend.lora import LoRARegistry, LoRARequest, parse_lora_modules
 import sys
 
 # Installed as the `tritonllm` backend (tools/triton_server.py), this file's neighbours are
@@ -54,6 +56,8 @@ CANCEL_CHECKS_PER_POLL = 16
 METRICS_POLL_S = 0.5
 STUB_EXIT_DELAY_S = 2.0  # after an engine failure that the model cannot unload itself from
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+MULTI_LORA_FILE = "multi_lora.json"  # {"name": "path"} beside model.json, as Triton's vLLM backend reads it
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 @dataclass
@@ -70,6 +74,27 @@ class Job:
     cancelled: bool = False
     unloading: bool = False
     done: bool = False
+
+
+def runtime_lora_updating() -> bool:
+    return os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
+
+
+def lora_registry(config: EngineConfig, model_dir: str) -> LoRARegistry | None:
+    """The adapters served by name: model.json's lora_modules, then multi_lora.json's (paths relative
+    to the model folder); None without enable_lora."""
+    if not config.enable_lora:
+        return None
+    modules = dict(config.lora_modules or {})
+    path = os.path.join(model_dir, MULTI_LORA_FILE)
+    if os.path.isfile(path):
+        with open(path) as file:
+            listed = json.load(file)
+        if not isinstance(listed, dict):
+            raise ValueError(f"{MULTI_LORA_FILE}: expected {{\"name\": \"path\"}}")
+        modules.update(parse_lora_modules({name: os.path.join(model_dir, os.path.expanduser(p))
+                                           for name, p in listed.items()}))
+    return LoRARegistry(modules)
 
 
 def string_tensor(name: str, values: list[str]):
@@ -89,6 +114,7 @@ class TritonPythonModel:
             raise ValueError("the llm model needs `model_transaction_policy { decoupled: true }`")
         with open(f"{pb_utils.get_model_dir()}/model.json") as file:
             engine_config = EngineConfig.from_dict(json.load(file))
+        self.loras = lora_registry(engine_config, pb_utils.get_model_dir())
         self.engine = AsyncLLMEngine(engine_config)
         self.jobs: dict[str, Job] = {}
         self.jobs_lock = threading.Lock()
@@ -122,7 +148,8 @@ class TritonPythonModel:
             self.outbox.put((job, error))
             return
         try:
-            prompt, params, job.flags, cache_salt = parse_request(request, self.engine.generation_defaults)
+            prompt, params, job.flags, cache_salt, lora = parse_request(request, self.engine.generation_defaults)
+            lora_request = self._lora_request(lora)
             job.n = params.n
             job.logprobs_asked = params.logprobs is not None
             if job.flags["return_cumulative_logprob"] and params.logprobs is None:
@@ -135,11 +162,29 @@ class TritonPythonModel:
                 self.jobs[job.request_id] = job
                 self.engine.add_request(job.request_id, prompt, params,
                                         lambda output, job=job: self.outbox.put((job, output)),
-                                        cache_salt=cache_salt, priority=job.flags["priority"])
+                                        cache_salt=cache_salt, lora_request=lora_request,
+                                        priority=job.flags["priority"])
         except Exception as error:
             with self.jobs_lock:
                 self.jobs.pop(job.request_id, None)
             self.outbox.put((job, self._triton_error(error)))
+
+    def _lora_request(self, lora: dict) -> LoRARequest | None:
+        """The adapter a request names (`lora_name` in sampling_parameters, as Triton's vLLM backend
+        reads it): one of lora_modules / multi_lora.json, or, with runtime updating allowed, any
+        folder given as `lora_path` (the OpenAI frontend sends it for adapters loaded at runtime)."""
+        if not lora:
+            return None
+        if self.loras is None:
+            raise EngineError("lora_name", "this model serves no LoRA adapters (enable_lora is off)")
+        name = lora.get("lora_name")
+        if name is None:
+            raise EngineError("lora_name", "required with lora_path")
+        if "lora_path" in lora:
+            if not runtime_lora_updating():
+                raise EngineError("lora_path", f"loading adapters by path needs {RUNTIME_LORA_ENV}=true on the server")
+            return self.loras.add(name, lora["lora_path"])
+        return self.loras.get(name)
 
     def _triton_error(self, error: Exception):
         """A refused request's error: the client's mistake, too much load, or ours. Errors a client

@@ -17,11 +17,13 @@ FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason",
                "return_num_output_tokens", "return_num_cached_tokens")
 
 
-def parse_request(request, defaults: dict | None = None) -> tuple[str | list[int], SamplingParams, dict, str | None]:
+def parse_request(request, defaults: dict | None = None) -> tuple[str | list[int], SamplingParams, dict, str | None,
+                                                              dict]:
     """Read the request's tensors and parameters; raise EngineError naming what is wrong.
     Returns the prompt, the sampling parameters (`defaults`, the model's generation_config, for
     those the request omits), the flags (with the request's scheduling `priority`, vLLM's: lower
-    first) and the cache salt (tenant isolation)."""
+    first), the cache salt (tenant isolation) and the LoRA adapter asked for ({"lora_name": ...,
+    "lora_path": ...}, each optional; empty for the base)."""
     # The HTTP generate endpoint carries its "parameters" object here; gRPC clients usually send
     # the sampling_parameters tensor instead. Flags may come either way; tensors win.
     extra = parse_json(request.parameters() or "{}", "parameters")
@@ -61,6 +63,9 @@ def parse_request(request, defaults: dict | None = None) -> tuple[str | list[int
     values = {k: v for k, v in values.items() if v is not None}
     cache_salt = values.pop("cache_salt", None)
     check(cache_salt is None or isinstance(cache_salt, str), "cache_salt", "must be a string", cache_salt)
+    lora = {key: values.pop(key) for key in ("lora_name", "lora_path") if key in values}
+    for key, value in lora.items():
+        check(isinstance(value, str) and bool(value), key, "must be a non-empty string", value)
     priority = values.pop("priority", 0)
     if isinstance(priority, str) and priority.strip().lstrip("-").isdigit():
         priority = int(priority)
@@ -72,7 +77,7 @@ def parse_request(request, defaults: dict | None = None) -> tuple[str | list[int
     except (TypeError, AttributeError, OverflowError) as error:  # a shape no check foresaw: still the client's
         raise EngineError("sampling_parameters", f"invalid value ({error})") from None
     params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-    return prompt, params, flags, cache_salt
+    return prompt, params, flags, cache_salt, lora
 
 
 def utf8(value, name: str) -> str:

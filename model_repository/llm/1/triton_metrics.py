@@ -13,6 +13,9 @@ the old instance's metrics freed the series the new instance still wrote to: tri
 prometheus::Histogram::Observe under the Python backend's Metric::Observe, or its heap was
 corrupted (issue 31). Kept alive for the life of the stub process, the series outlives
 every instance, and the next instance's counters continue where the last one's stopped.
+An info gauge (`vllm:lora_requests_info`) carries its reading's labels: each new set of labels is a new
+series whose value is the time it was set, and the latest series is the current state (as vLLM
+exports it).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class MetricsExporter:
         self.families = {}
         self.metrics = {}
         self.previous = {}
+        self.labels = labels
+        self.info_series: dict[tuple, object] = {}  # (name, labels) -> an info gauge's series
         # pb_utils gains MetricFamily only once the stub runs, so look the kinds up here.
         kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
                  "histogram": pb_utils.MetricFamily.HISTOGRAM}
@@ -61,6 +66,12 @@ class MetricsExporter:
             if metric is None:
                 continue
             before = self.previous[reading.name]
+            if reading.labels:
+                key = (reading.name, tuple(sorted(reading.labels.items())))
+                if key not in self.info_series:
+                    self.info_series[key] = keep_forever(
+                        self.families[reading.name].Metric(labels={**self.labels, **reading.labels}))
+                metric = self.info_series[key]
             if reading.kind == "gauge":
                 if before is None or reading.value != before.value:  # each call is an IPC round trip
                     metric.set(reading.value)

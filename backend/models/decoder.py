@@ -1,0 +1,357 @@
+"""The dense decoder every family runs: embeddings, a stack of attention + gated-MLP layers and an
+LM head, with the options a family's config mapping picks in `ModelArgs` (norm placement, q/k
+norms, biases, rotary variants, sliding windows, soft-capping, Gemma's and Granite's scalings).
+
+The hot-path ops come from `backend/ops.py` (Triton kernels on CUDA, fused C++ ops or torch on the
+CPU). Numerics follow Hugging Face step for step (norms in float32, RoPE tables in float32 cast to
+the activation dtype) so greedy tokens match it exactly in float32.
+
+Tensor parallelism (Megatron style): q/k/v and gate/up are column-parallel, o_proj and down_proj
+row-parallel with an all-reduce after them (their biases on rank 0 only), the embedding and LM head
+split by vocabulary; norms, per-head q/k norms included, are replicated. Layers stay plain
+nn.Linear, sharded as the weights load. Pipeline parallelism gives each stage a contiguous run of
+layers; the first embeds, the last normalises and computes logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from backend import parallel_state
+from backend.attention import AttentionMetadata
+from backend.models.layers.activation import gated_activation
+from backend.models.layers.attention import Attention
+from backend.models.layers.norm import RMSNorm
+from backend.models.layers.rotary import rope_tables
+from backend.parallel_state import ParallelState
+
+LAYOUTS = ("pre", "sandwich", "post")
+
+
+@dataclass
+class ModelArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: dict[str, Any]  # rope_parameters(config): rope_type, rope_theta, ...
+    local_rope: dict[str, Any] | None = None  # Gemma 3: the sliding layers' own RoPE
+    sliding_windows: tuple[int | None, ...] = ()  # per layer (empty: no layer slides)
+    layout: str = "pre"  # norms: "pre" (Llama), "sandwich" (Gemma 2/3: also after each block), "post" (OLMo 2)
+    activation: str = "silu"  # "silu" | "gelu_tanh" | "gelu"
+    norm_offset: float = 0.0  # Gemma: norms scale by (1 + w)
+    qk_norm: str | None = None  # "head": each head (Qwen3, Gemma 3); "full": across all heads (OLMo 2)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    attention_scale: float | None = None  # default head_dim ** -0.5
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    embed_multiplier: float | None = None  # Granite: x * m; Gemma: x * sqrt(hidden) (the factor in x's dtype)
+    embed_multiplier_in_dtype: bool = False
+    residual_multiplier: float | None = None  # Granite: residual + block(x) * m
+    logits_divisor: float | None = None  # Granite: logits / logits_scaling
+
+    def rope_for_layer(self, layer_id: int) -> dict[str, Any]:
+        sliding = bool(self.sliding_windows) and self.sliding_windows[layer_id] is not None
+        return self.local_rope if sliding and self.local_rope is not None else self.rope
+
+
+def check_parallel(args: ModelArgs, tp: int, pp: int) -> None:
+    """Start-up errors for shapes the ranks cannot split evenly."""
+    problems = []
+    if args.num_heads % tp:
+        problems.append(f"num_attention_heads ({args.num_heads})")
+    if args.num_kv_heads % tp and tp % args.num_kv_heads:
+        problems.append(f"num_key_value_heads ({args.num_kv_heads}; or tp a multiple of it)")
+    if args.intermediate_size % tp:
+        problems.append(f"intermediate_size ({args.intermediate_size})")
+    if problems:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide {', '.join(problems)}")
+    if tp > 1 and args.qk_norm == "full":
+        raise ValueError(f"tensor_parallel_size: {args.architecture}'s q/k norms span all heads, "
+                         "which tensor parallelism does not split yet")
+    if pp > args.num_layers:
+        raise ValueError(f"pipeline_parallel_size: {pp} exceeds the model's {args.num_layers} layers")
+
+
+def stage_layers(num_layers: int, state: ParallelState) -> range:
+    """The layers of this pipeline stage: contiguous, the first stages taking any remainder."""
+    per_stage, extra = divmod(num_layers, state.pp_size)
+    start = state.stage * per_stage + min(state.stage, extra)
+    return range(start, start + per_stage + (state.stage < extra))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, parallel: ParallelState) -> None:
+        super().__init__()
+        self.parallel, self.activation = parallel, args.activation
+        intermediate = args.intermediate_size // parallel.tp_size
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * intermediate, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(intermediate, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(gated_activation(self.gate_up_proj, x, self.activation))
+        return parallel_state.all_reduce(out, self.parallel)
+
+
+class DecoderLayer(nn.Module):
+    """(x, residual) in and out, the hidden state being x + residual: the next norm adds the two in
+    one kernel (`ops.add_rms_norm`)."""
+
+    def __init__(self, args: ModelArgs, parallel: ParallelState, layer_id: int) -> None:
+        super().__init__()
+        self.layout = args.layout
+        self.residual_multiplier = args.residual_multiplier
+
+        def norm() -> RMSNorm:
+            return RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
+
+        if args.layout != "post":
+            self.input_layernorm = norm()
+        self.self_attn = Attention(args, parallel, layer_id)
+        self.post_attention_layernorm = norm()
+        if args.layout == "sandwich":
+            self.pre_feedforward_layernorm = norm()
+        if args.layout != "pre":
+            self.post_feedforward_layernorm = norm()
+        self.mlp = MLP(args, parallel)
+
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        if self.layout == "post":  # OLMo 2: h + norm(block(h)), no norm before the blocks
+            hidden = x if residual is None else x + residual
+            hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, cos, sin, kv_cache, meta))
+            return self.post_feedforward_layernorm(self.mlp(hidden)), hidden
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        if self.layout == "sandwich":  # Gemma 2/3: norm after the block, then before the MLP
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
+        if self.residual_multiplier is not None:
+            x = x * self.residual_multiplier
+        x, residual = self.post_attention_layernorm(x, residual)
+        x = self.mlp(x)
+        if self.residual_multiplier is not None:
+            x = x * self.residual_multiplier
+        return x, residual
+
+
+class CausalLM(nn.Module):
+    def __init__(self, args: ModelArgs, parallel: ParallelState | None = None,
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        self.args = args
+        self.parallel = parallel = parallel or ParallelState()
+        # RoPE tables cover the positions the engine uses (its context), not the model's whole range.
+        self.max_positions = min(max_positions or args.max_position_embeddings, args.max_position_embeddings)
+        check_parallel(args, parallel.tp_size, parallel.pp_size)
+        self.layer_ids = stage_layers(args.num_layers, parallel)
+        # The vocabulary padded to a multiple of tp; each rank embeds and scores one slice of it.
+        self.vocab_per_rank = -(-args.vocab_size // parallel.tp_size)
+        self.vocab_start = parallel.tp_rank * self.vocab_per_rank
+        self.embed_tokens = nn.Embedding(self.vocab_per_rank, args.hidden_size) if parallel.is_first_stage else None
+        self.layers = nn.ModuleList(DecoderLayer(args, parallel, i) for i in self.layer_ids)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset) if parallel.is_last_stage else None
+        self.lm_head = nn.Linear(args.hidden_size, self.vocab_per_rank, bias=False) if parallel.is_last_stage else None
+        # Each distinct RoPE (Gemma 3: local and global) gets one table; layers index theirs.
+        ropes = [args.rope_for_layer(i) for i in self.layer_ids]
+        self.rope_params = [r for i, r in enumerate(ropes) if r not in ropes[:i]]
+        self.layer_rope = [self.rope_params.index(r) for r in ropes]
+        self.rope_cos: list[torch.Tensor] = []
+        self.rope_sin: list[torch.Tensor] = []
+        self.post_init()
+
+    @property
+    def tied(self) -> bool:
+        """The LM head shares the embedding's weight (tied, and both on this stage)."""
+        return self.args.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None
+
+    def post_init(self) -> None:
+        """Tie embeddings and compute the RoPE tables; call again after `to_empty`."""
+        if self.tied:
+            self.lm_head.weight = self.embed_tokens.weight
+        device = self.layers[0].post_attention_layernorm.weight.device
+        if device.type == "meta":
+            return
+        tables = [rope_tables(p, self.args.head_dim, self.args.max_position_embeddings, self.max_positions)
+                  for p in self.rope_params]
+        self.rope_cos = [cos.to(device) for cos, _ in tables]
+        self.rope_sin = [sin.to(device) for _, sin in tables]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            x = self.embed_tokens(input_ids)
+        else:
+            local = input_ids - self.vocab_start
+            mine = (local >= 0) & (local < self.vocab_per_rank)
+            x = self.embed_tokens(local.clamp(0, self.vocab_per_rank - 1)) * mine.unsqueeze(-1)
+            x = parallel_state.all_reduce(x, self.parallel)
+        multiplier = self.args.embed_multiplier
+        if multiplier is None:
+            return x
+        return x * (torch.tensor(multiplier, dtype=x.dtype) if self.args.embed_multiplier_in_dtype else multiplier)
+
+    def run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                  meta: AttentionMetadata, hidden: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This stage's layers: from the token ids on the first stage, else from the previous
+        stage's (hidden, residual). Returns (hidden, residual) before the final norm."""
+        x = self.embed(input_ids) if hidden is None else hidden
+        cos = [table[positions].to(x.dtype) for table in self.rope_cos]  # [T, rotary_dim] each
+        sin = [table[positions].to(x.dtype) for table in self.rope_sin]
+        for layer, rope, kv_cache in zip(self.layers, self.layer_rope, kv_caches):
+            x, residual = layer(x, residual, cos[rope], sin[rope], kv_cache, meta)
+        return x, residual
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden] (a single-stage model)."""
+        return self.final_norm(*self.run_stage(input_ids, positions, kv_caches, meta))
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [rows, vocab] on tensor rank 0 (None on the others)."""
+        logits = parallel_state.gather_last_dim(self.lm_head(hidden).float(), self.parallel)
+        if logits is None:
+            return None
+        logits = logits[:, :self.args.vocab_size]
+        if self.args.logits_divisor is not None:
+            logits = logits / self.args.logits_divisor
+        if self.args.final_logit_softcap is not None:
+            cap = self.args.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # -- loading -----------------------------------------------------------------------------------
+    # Hugging Face checkpoint names -> ours. Separate q/k/v and gate/up are fused on load; a
+    # checkpoint that stores them fused (Phi-3) is split first, so that every rank takes its shard.
+    FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def split_fused(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A checkpoint's fused qkv_proj / gate_up_proj tensor as its parts' (name, tensor)."""
+        parts = name.split(".")
+        if len(parts) < 2 or parts[-2] not in ("qkv_proj", "gate_up_proj"):
+            return [(name, tensor)]
+        args = self.args
+        if parts[-2] == "qkv_proj":
+            sizes = {"q_proj": args.num_heads * args.head_dim, "k_proj": args.num_kv_heads * args.head_dim,
+                     "v_proj": args.num_kv_heads * args.head_dim}
+        else:
+            sizes = {"gate_proj": args.intermediate_size, "up_proj": args.intermediate_size}
+        if tensor.shape[0] != sum(sizes.values()):  # a quantized layout: already ours on one rank
+            if self.parallel.tp_size > 1:
+                raise ValueError(f"{name}: a fused quantized checkpoint tensor cannot be split for tensor parallelism")
+            return [(name, tensor)]
+        prefix = ".".join(parts[:-2])
+        return [(f"{prefix}.{part}.{parts[-1]}", piece)
+                for part, piece in zip(sizes, tensor.split(list(sizes.values())))]
+
+    def local_name(self, name: str) -> str | None:
+        """A checkpoint name as this stage's parameter name, or None when another stage holds it."""
+        name = name.removeprefix("model.")
+        parts = name.split(".")
+        if parts[0] == "layers":
+            if int(parts[1]) not in self.layer_ids:
+                return None
+            return ".".join(["layers", str(int(parts[1]) - self.layer_ids.start), *parts[2:]])
+        if name == "embed_tokens.weight" and self.embed_tokens is None:
+            # A tied head on a later stage than the embedding loads the embedding's weight itself.
+            return "lm_head.weight" if self.args.tie_word_embeddings and self.lm_head is not None else None
+        if name == "lm_head.weight" and (self.lm_head is None or self.args.tie_word_embeddings):
+            return None
+        if name.startswith("norm.") and self.norm is None:
+            return None
+        return name
+
+    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This tensor rank's slice of a checkpoint tensor (by its Hugging Face module name)."""
+        tp, rank = self.parallel.tp_size, self.parallel.tp_rank
+        if tp == 1:
+            return tensor
+        module = name.split(".")[-2]
+        if module in ("q_proj", "gate_proj", "up_proj"):
+            return tensor.chunk(tp, dim=0)[rank]
+        if module in ("k_proj", "v_proj"):
+            kv_heads = self.args.num_kv_heads
+            if kv_heads % tp == 0:
+                return tensor.chunk(tp, dim=0)[rank]
+            head = rank * kv_heads // tp  # fewer KV heads than ranks: replicated
+            return tensor.view(kv_heads, -1, *tensor.shape[1:])[head]
+        if module in ("o_proj", "down_proj"):
+            if tensor.dim() == 1:  # a bias: added once, after the all-reduce sums the ranks
+                return tensor if rank == 0 else torch.zeros_like(tensor)
+            return tensor.chunk(tp, dim=1)[rank]
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            padded = torch.zeros(self.vocab_per_rank * tp, tensor.shape[1], dtype=tensor.dtype)
+            padded[:tensor.shape[0]] = tensor
+            return padded[self.vocab_start:self.vocab_start + self.vocab_per_rank]
+        return tensor  # norms: replicated
+
+    def fuse_shards(self, target: str, shards: list[torch.Tensor]) -> torch.Tensor:
+        """q/k/v (gate/up) as one tensor: joined along nn.Linear's output dim 0, or along the dim a
+        quantized module's `fused_dims` names for that tensor; None there means one copy shared by
+        all shards (GPTQ's g_idx)."""
+        module, _, tensor_name = target.rpartition(".")
+        dim = getattr(self.get_submodule(module), "fused_dims", {}).get(tensor_name, 0)
+        if dim is not None:
+            return torch.cat(shards, dim)
+        if any(not torch.equal(shard, shards[0]) for shard in shards[1:]):
+            raise ValueError(f"{target}: the fused layers' copies differ")
+        return shards[0]
+
+    def load_weights(self, weights) -> None:
+        """weights: iterable of (hf_name, tensor); each rank keeps its stage's layers and its shard."""
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[int, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        for checkpoint_name, checkpoint_tensor in weights:
+            if "rotary_emb" in checkpoint_name:
+                continue
+            for name, tensor in self.split_fused(checkpoint_name, checkpoint_tensor):
+                local = self.local_name(name)
+                if local is None:
+                    continue
+                tensor = self.shard(name, tensor)
+                name = local
+                parts = name.split(".")
+                fused = self.FUSED.get(parts[-2]) if len(parts) >= 2 else None
+                if fused is not None:
+                    target = ".".join(parts[:-2] + [fused[0], parts[-1]])
+                    pending.setdefault(target, {})[fused[1]] = tensor
+                    expected = 3 if fused[0] == "qkv_proj" else 2
+                    if len(pending[target]) < expected:
+                        continue
+                    shards = pending.pop(target)
+                    tensor = self.fuse_shards(target, [shards[i] for i in range(expected)])
+                    name = target
+                if name not in params:
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                loaded.add(name)
+        missing = set(params) - loaded
+        if self.tied:
+            missing.discard("lm_head.weight")
+        if missing or pending:
+            raise ValueError(f"checkpoint lacks weights: {sorted(missing | set(pending))[:5]}")
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, RMSNorm) and module.load_offset:
+                    module.weight += module.load_offset
