@@ -217,7 +217,9 @@ def generation_defaults(config: EngineConfig, model_path: str) -> dict[str, Any]
                 values = json.load(file)
             defaults = {GENERATION_DEFAULT_KEYS[k]: v for k, v in values.items()
                         if k in GENERATION_DEFAULT_KEYS and v is not None}
-    for key, value in (config.override_generation_config or {}).items():
+    overrides = config.override_generation_config or {}
+    assert isinstance(overrides, dict)  # parsed from JSON text in __post_init__
+    for key, value in overrides.items():
         defaults[GENERATION_DEFAULT_KEYS[key]] = value
     return defaults
 
