@@ -144,5 +144,4 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: t
         from backend.kernels.lora import add_lora as kernel
         kernel(out, x, lora_a, lora_b, batch.starts, batch.lengths, batch.slots, batch.max_length)
         return
-    from backend.lora.layers import add_lora_reference
-    add_lora_reference(out, x, lora_a, lora_b, batch, slot_weights)
+    reference.add_lora_reference(out, x, lora_a, lora_b, batch, slot_weights)

@@ -7,7 +7,7 @@ weights' dtype as the reference does, then expands through B one BLOCK_N slice o
 and adds into `out`. The shrunk rows never leave registers. Tokens of no adapter belong to no
 segment and are not touched. The grid is (token tiles of the longest segment, segments); tiles past
 a shorter segment's end return at once.
-Reference: `backend.lora.layers.add_lora_reference`.
+Reference: `backend.kernels.reference.add_lora_reference`.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from backend import ops
+from backend.kernels.reference import add_lora_reference  # noqa: F401 - re-exported for callers
 from backend.errors import EngineError, check
 from backend.lora import LoRARequest
 from backend.lora.adapter import Adapter, read_adapter
@@ -70,20 +71,6 @@ class LoRAContext:
 
     def __init__(self) -> None:
         self.batch: LoRABatch | None = None
-
-
-def add_lora_reference(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                       batch: LoRABatch, slot_weights: list | None = None) -> None:
-    """out[t] += B[slot] @ (A[slot] @ x[t]) for every token of every segment; the CPU path (a loop
-    over the step's few segments, none over tokens) and the Triton kernel's reference.
-    slot_weights: per slot, (A^T, B^T) cut to the ranks in use, or None where the slot's adapter
-    leaves this layer alone (LoRALinear keeps them, sparing a few ops and the zero padding)."""
-    if slot_weights is None:
-        slot_weights = [(a.T, b.T) for a, b in zip(lora_a, lora_b)]
-    for start, end, slot in batch.segments:
-        weights = slot_weights[slot]
-        if weights is not None:
-            out[start:end].addmm_(x[start:end] @ weights[0], weights[1])
 
 
 class LoRALinear(nn.Module):
