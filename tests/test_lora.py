@@ -15,7 +15,8 @@ import torch
 from backend import LLM, LoRARequest, SamplingParams
 from backend.errors import EngineError
 from backend.kernels.lora import add_lora  # at collection, before anything imports Triton otherwise
-from backend.lora.layers import LoRABatch, add_lora_reference
+from backend.kernels.reference import add_lora_reference
+from backend.lora.layers import LoRABatch
 from tests.prompts import PROMPTS
 
 peft = pytest.importorskip("peft")

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from backend import ops
-from backend.kernels.reference import add_lora_reference  # noqa: F401 - re-exported for callers
 from backend.errors import EngineError, check
 from backend.lora import LoRARequest
 from backend.lora.adapter import Adapter, read_adapter
