@@ -59,7 +59,8 @@ def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
-                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D], kv_cache [2, KVH, num_blocks, block_size, D].
     Returns [T, H * D]. The options as in `ops.paged_attention`; the C++ kernel starts each token
     at its window, never reading blocks before it (the engine may have freed them)."""
@@ -67,7 +68,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_kv_heads = kv_cache.shape[1]
     fused = (cpu_ops.supports(query) and head_dim in (64, 128) and num_heads // num_kv_heads <= 8
              and kv_cache.dtype == query.dtype  # an fp8 cache takes the torch path, converting at its edges
-             and meta.token_rows is not None)
+             and meta.token_rows is not None and sinks is None)
     if fused:
         cpu_ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
         out = cpu_ops.paged_attention(query, kv_cache, meta.block_tables, meta.token_rows,
@@ -86,16 +87,18 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if meta.num_decodes:
         out = paged_attention_decode_reference(query[:meta.num_decodes], key_cache, value_cache,
                                                meta.decode_block_tables, meta.decode_seq_lens, scale,
-                                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                               sinks=sinks)
         outputs.append(out.view(meta.num_decodes, num_heads * head_dim))
     for span in meta.prefills:
         end = span.start + span.num_query_tokens
-        if sliding_window is not None or logits_soft_cap is not None:
+        if sliding_window is not None or logits_soft_cap is not None or sinks is not None:
             k = gather_blocks(key_cache, span.block_table)[:, :span.context_len].to(query.dtype)
             v = gather_blocks(value_cache, span.block_table)[:, :span.context_len].to(query.dtype)
             positions = torch.arange(span.num_query_tokens, device=query.device) + span.context_len - span.num_query_tokens
             out = causal_attention_reference(query[span.start:end].transpose(0, 1), k, v, positions, scale,
-                                             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                                             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                             sinks=sinks)
             outputs.append(out.transpose(0, 1).reshape(span.num_query_tokens, num_heads * head_dim))
             continue
         q = query[span.start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Tq, D]

@@ -98,14 +98,17 @@ def linear_silu_and_mul(gate_up: torch.nn.Module, x: torch.Tensor) -> torch.Tens
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
-                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Write the step's keys and values into the cache, then attend. query [T, H, D], key/value
     [T, KVH, D], kv_cache [2, KVH, num_blocks, block_size, D]. Returns [T, H * D].
 
     Hugging Face's semantics for the options: with a sliding window the query at position i sees
     keys j with i - window < j <= i; a soft cap turns the scaled scores s into cap * tanh(s / cap)
-    before the softmax. Every path takes both; blocks wholly before a token's window are never read."""
-    options: dict[str, Any] = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    before the softmax; `sinks` [H] (gpt-oss) join each head's softmax denominator as one more logit
+    that attends to nothing. Every path takes all three; blocks wholly before a token's window are
+    never read."""
+    options: dict[str, Any] = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     if not _use_triton(query):
         return attention.paged_attention(query, key, value, kv_cache, meta, scale, **options)
     kernels = _triton()

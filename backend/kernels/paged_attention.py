@@ -10,7 +10,8 @@ The cache is read through strides, so any layout of [num_blocks, block_size, KVH
 contiguous last dimension works, including a view of the engine's head-major cache. Under a sliding
 window a sequence's keys start at max(0, seq_len - window): the splits share only those, and blocks
 before them are never read (the engine may have freed them). A soft cap bends the scores before the
-softmax, as Gemma 2 does.
+softmax, as Gemma 2 does. Attention sinks (gpt-oss: one learned logit per head in the softmax's
+denominator) start the first split's online softmax at (max = sink, sum = 1) instead of (-inf, 0).
 Reference: `reference.paged_attention_decode_reference`.
 """
 
@@ -42,6 +43,7 @@ def window_arg(sliding_window: int | None) -> int:
 @triton.jit(do_not_specialize=["stride_table_seq", "window"])  # the table width changes every step
 def _decode_kernel(
     query, key_cache, value_cache, block_tables, seq_lens, out, partial_out, partial_max, partial_sum,
+    sinks,  # [H] logits, used where HAS_SINKS
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     window,  # the sliding window; a huge number for none
     cap,  # the logit soft cap * log2(e), used where SOFT_CAP
@@ -51,7 +53,7 @@ def _decode_kernel(
     stride_table_seq, stride_out_seq, stride_out_head,
     SPLIT: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -76,6 +78,10 @@ def _decode_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    if HAS_SINKS:  # the sink counts once: in the first split
+        sink = tl.load(sinks + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables + seq * stride_table_seq
     for tile in range(start, end, BLOCK_N):
@@ -156,7 +162,8 @@ def _num_sms(device: torch.device) -> int:
 def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, out: torch.Tensor | None = None, *,
-                           sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [S, H, D]; key/value_cache [num_blocks, block_size, KVH, D] (any strides, D contiguous);
     block_tables int32 [S, max_blocks]; seq_lens int32 [S] (0 marks a padded slot: zeros out).
     The options as in `reference.paged_attention_decode_reference`.
@@ -183,14 +190,14 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
         partial_out = partial_max = partial_sum = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, partial_out, partial_max, partial_sum,
-        scale * LOG2E, window_arg(sliding_window), (logits_soft_cap or 1.0) * LOG2E,
+        sinks if sinks is not None else query, scale * LOG2E, window_arg(sliding_window), (logits_soft_cap or 1.0) * LOG2E,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         SPLIT=num_splits > 1, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=TILE, BLOCK_D=block_d,
-        UPCAST=upcast, PRECISION=precision, SOFT_CAP=logits_soft_cap is not None,
+        UPCAST=upcast, PRECISION=precision, SOFT_CAP=logits_soft_cap is not None, HAS_SINKS=sinks is not None,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

@@ -5,7 +5,8 @@ is read from there.
 
 One program per (sequence, head, tile of BLOCK_M queries), flash-attention style: an online softmax
 over BLOCK_N-key tiles, stopping at the tile's last causal key. Under a sliding window the tiles
-start at the window of the program's first query, so blocks before it are never read. The cache is
+start at the window of the program's first query, so blocks before it are never read. A head's
+attention sink (gpt-oss) starts its online softmax at (max = sink, sum = 1). The cache is
 read through strides, as in `paged_attention.py`. Reference: `reference.paged_attention_prefill_reference`.
 """
 
@@ -22,6 +23,7 @@ BLOCK_M = 64  # queries per program
 @triton.jit(do_not_specialize=["stride_table_seq", "window"])  # the table width changes every step
 def _prefill_kernel(
     query, key_cache, value_cache, block_tables, query_starts, seq_lens, out,
+    sinks,  # [H] logits, used where HAS_SINKS
     qk_scale,  # softmax scale * log2(e)
     window,  # the sliding window; a huge number for none
     cap,  # the logit soft cap * log2(e), used where SOFT_CAP
@@ -31,7 +33,7 @@ def _prefill_kernel(
     stride_table_seq, stride_out_token, stride_out_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -56,6 +58,9 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks + head).to(tl.float32) * 1.4426950408889634
+        l_i = l_i + 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables + seq * stride_table_seq
     last_key = tl.minimum(seq_len, seq_len - num_queries + (tile_m + 1) * BLOCK_M)  # causal bound
@@ -95,7 +100,7 @@ def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_
                             block_tables: torch.Tensor, query_starts: torch.Tensor,
                             seq_lens: torch.Tensor, max_query_len: int, scale: float,
                             out: torch.Tensor | None = None, *, sliding_window: int | None = None,
-                            logits_soft_cap: float | None = None) -> torch.Tensor:
+                            logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, H, D], sequence i's queries at rows query_starts[i]:query_starts[i + 1] (int32,
     [P + 1]); seq_lens int32 [P] count each sequence's tokens, its new ones included; block_tables
     int32 [P, max_blocks]; key/value_cache [num_blocks, block_size, KVH, D] holding every key,
@@ -113,13 +118,13 @@ def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, BLOCK_M))
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, query_starts, seq_lens, out,
-        scale * LOG2E, window_arg(sliding_window), (logits_soft_cap or 1.0) * LOG2E,
+        sinks if sinks is not None else query, scale * LOG2E, window_arg(sliding_window), (logits_soft_cap or 1.0) * LOG2E,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=BLOCK_M, BLOCK_N=TILE, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        UPCAST=upcast, PRECISION=precision, SOFT_CAP=logits_soft_cap is not None,
+        UPCAST=upcast, PRECISION=precision, SOFT_CAP=logits_soft_cap is not None, HAS_SINKS=sinks is not None,
     )
     return out

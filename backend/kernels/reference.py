@@ -59,7 +59,8 @@ def reshape_and_cache_reference(key: torch.Tensor, value: torch.Tensor, key_cach
 def paged_attention_decode_reference(query: torch.Tensor, key_cache: torch.Tensor,
                                      value_cache: torch.Tensor, block_tables: torch.Tensor,
                                      seq_lens: torch.Tensor, scale: float, *, sliding_window: int | None = None,
-                                     logits_soft_cap: float | None = None) -> torch.Tensor:
+                                     logits_soft_cap: float | None = None,
+                                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its cached context.
 
     query [S, H, D]; key/value_cache [num_blocks, block_size, KVH, D]; block_tables [S, max_blocks]
@@ -86,41 +87,59 @@ def paged_attention_decode_reference(query: torch.Tensor, key_cache: torch.Tenso
     if sliding_window is not None:
         hidden |= key_positions <= seq_lens.unsqueeze(1) - 1 - sliding_window
     scores.masked_fill_(hidden.unsqueeze(1), float("-inf"))
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is None:
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+    else:
+        probs = softmax_with_sinks(scores, sinks.view(num_kv_heads, 1, -1, 1)).to(query.dtype)
     out = torch.matmul(probs, values)  # [KVH, S, G, D]
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
 def causal_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                query_positions: torch.Tensor, scale: float, *, sliding_window: int | None = None,
-                               logits_soft_cap: float | None = None) -> torch.Tensor:
+                               logits_soft_cap: float | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's queries over its keys at positions 0..L-1. query [H, Tq, D], key/value
     [KVH, L, D], query_positions [Tq]. Returns [H, Tq, D]. Key j is seen by the query at position i
     when j <= i (and i - sliding_window < j); a soft cap applies before the softmax, as in Hugging
-    Face's eager attention (SDPA where there is none)."""
+    Face's eager attention (SDPA where there is neither, nor `sinks` [H])."""
     key_positions = torch.arange(key.shape[1], device=query.device)
     rows = query_positions.unsqueeze(1)
     visible = key_positions.unsqueeze(0) <= rows  # [Tq, L]
     if sliding_window is not None:
         visible &= key_positions.unsqueeze(0) > rows - sliding_window
-    if logits_soft_cap is None:
+    if logits_soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
                                               attn_mask=visible, scale=scale,
                                               enable_gqa=query.shape[0] != key.shape[0])[0]
     group = query.shape[0] // key.shape[0]
     key, value = key.repeat_interleave(group, dim=0), value.repeat_interleave(group, dim=0)
     scores = torch.matmul(query, key.transpose(1, 2)) * scale  # [H, Tq, L]
-    scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is None:
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+    else:
+        probs = softmax_with_sinks(scores, sinks.view(-1, 1, 1)).to(query.dtype)
     return torch.matmul(probs, value)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over [scores, sink] without the sink's column, in float32, as gpt-oss's eager attention
+    computes it: the sink (one logit per head, broadcast to scores[..., :1]) only enlarges the
+    denominator, so a head may attend to nothing."""
+    combined = torch.cat([scores.float(), sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return combined.softmax(dim=-1)[..., :-1]
 
 
 def paged_attention_prefill_reference(query: torch.Tensor, key_cache: torch.Tensor,
                                       value_cache: torch.Tensor, block_tables: torch.Tensor,
                                       query_starts: torch.Tensor, seq_lens: torch.Tensor,
                                       scale: float, *, sliding_window: int | None = None,
-                                      logits_soft_cap: float | None = None) -> torch.Tensor:
+                                      logits_soft_cap: float | None = None,
+                                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Variable-length causal queries over the cache, which already holds their own keys.
 
     query [T, H, D] (sequence i's queries are rows query_starts[i]:query_starts[i + 1], the last
@@ -137,7 +156,8 @@ def paged_attention_prefill_reference(query: torch.Tensor, key_cache: torch.Tens
         v = gather_blocks(value_cache, blocks)[:, :context_len]
         positions = torch.arange(num_query, device=query.device) + context_len - num_query
         attended = causal_attention_reference(query[rows].transpose(0, 1), k, v, positions, scale,
-                                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                              sinks=sinks)
         out[rows] = attended.transpose(0, 1)
     return out
 
