@@ -10,7 +10,9 @@ reading straight from the new keys when nothing of the sequence is cached yet. O
 
 The KV cache of a layer is [2, KVH, num_blocks, block_size, D]: each KV head's blocks together, so
 gathering a sequence's blocks yields [KVH, L, D] slabs that feed batched matmuls without a copy.
-The kernels see it through `cache_views` as [num_blocks, block_size, KVH, D] with strides.
+The kernels see it through `cache_views` as [num_blocks, block_size, KVH, D] with strides. A cache
+of one part, [1, 1, num_blocks, block_size, D] (multi-head latent attention: one latent per token,
+`backend/models/layers/mla.py`), is read as both the keys and the values.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ class AttentionMetadata:
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[2, KVH, num_blocks, block_size, D] -> key and value views [num_blocks, block_size, KVH, D]."""
-    return kv_cache[0].permute(1, 2, 0, 3), kv_cache[1].permute(1, 2, 0, 3)
+    """[2, KVH, num_blocks, block_size, D] -> key and value views [num_blocks, block_size, KVH, D]
+    (a one-part cache: the same view twice)."""
+    return kv_cache[0].permute(1, 2, 0, 3), kv_cache[-1].permute(1, 2, 0, 3)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -68,7 +71,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_kv_heads = kv_cache.shape[1]
     fused = (cpu_ops.supports(query) and head_dim in (64, 128) and num_heads // num_kv_heads <= 8
              and kv_cache.dtype == query.dtype  # an fp8 cache takes the torch path, converting at its edges
-             and meta.token_rows is not None and sinks is None)
+             and meta.token_rows is not None and sinks is None and kv_cache.shape[0] == 2)
     if fused:
         cpu_ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
         out = cpu_ops.paged_attention(query, kv_cache, meta.block_tables, meta.token_rows,
@@ -76,7 +79,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                       logits_soft_cap=logits_soft_cap)
         return out.view(num_tokens, num_heads * head_dim)
     key_slots = kv_cache[0].view(num_kv_heads, -1, head_dim)  # [KVH, num_slots, D]
-    value_slots = kv_cache[1].view(num_kv_heads, -1, head_dim)
+    value_slots = kv_cache[-1].view(num_kv_heads, -1, head_dim)
     # Indexed assignment, not index_copy_, which has no float8 kernel on the CPU.
     key_slots[:, meta.slot_mapping] = key.transpose(0, 1).to(kv_cache.dtype)
     value_slots[:, meta.slot_mapping] = value.transpose(0, 1).to(kv_cache.dtype)

@@ -87,7 +87,8 @@ def profile_step_memory(model, args, dtype: torch.dtype, device: torch.device, b
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    shape = (2, args.num_kv_heads, sum(blocks_per_seq), block_size, args.head_dim)
+    parts, kv_heads, width = args.kv_cache_entry()
+    shape = (parts, kv_heads, sum(blocks_per_seq), block_size, width)
     kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)]
     scratch = sum(c.numel() * c.element_size() for c in kv_caches)
 

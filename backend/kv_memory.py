@@ -1,6 +1,7 @@
 """KV-cache memory: how many blocks fit (a measured budget on a GPU, what the model and max_num_seqs
 need on a CPU) and the cache and swap tensors themselves, one per layer, shaped
-[2 (key, value), kv heads, blocks, block_size, head_dim].
+[2 (key, value), kv heads, blocks, block_size, head_dim]; under multi-head latent attention
+[1 (the latent), 1, blocks, block_size, kv_lora_rank + qk_rope_head_dim].
 """
 
 from __future__ import annotations
@@ -32,15 +33,16 @@ class KVCacheLayout:
     block_size: int
     head_dim: int
     dtype: torch.dtype
+    num_parts: int = 2  # key and value; 1: one latent per token (ModelArgs.kv_cache_entry)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block takes across every layer (keys and values)."""
+        """Bytes one block takes across every layer (keys and values, or latents)."""
         element = torch.finfo(self.dtype).bits // 8
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        return self.num_parts * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
-        return 2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim
+        return self.num_parts, self.num_kv_heads, num_blocks, self.block_size, self.head_dim
 
 
 def available_memory_bytes() -> int:

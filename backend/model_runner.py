@@ -100,9 +100,10 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         """Size the KV cache to the budget (every rank holds as many blocks as the tightest one),
         allocate it and, for preemption_mode=swap, its swap space."""
-        self.num_kv_heads, self.num_layers = self.model.layers[0].self_attn.num_kv_heads, len(self.model.layers)
-        self.layout = KVCacheLayout(self.num_layers, self.num_kv_heads, self.block_size, self.args.head_dim,
-                                    self.kv_cache_dtype)
+        parts, self.num_kv_heads, width = self.args.kv_cache_entry(self.parallel.tp_size)
+        self.num_layers = len(self.model.layers)
+        self.layout = KVCacheLayout(self.num_layers, self.num_kv_heads, self.block_size, width,
+                                    self.kv_cache_dtype, parts)
         budget = kv_memory.kv_cache_budget(self.config, self.layout, self.model, self.args, self.dtype,
                                            self.device, self.parallel.world_size, self.max_model_len)
         self.num_blocks = kv_memory.num_kv_blocks(self.config, self.layout, budget, self.device)

@@ -77,7 +77,8 @@ class DraftModelProposer:
                              f"from the target model's ({target.args.vocab_size})")
         # As many blocks as the target has, so that the draft follows whatever the target holds.
         element = target.kv_caches[0].element_size()
-        block_bytes = 2 * args.num_layers * engine_config.block_size * args.num_kv_heads * args.head_dim * element
+        parts, kv_heads, width = args.kv_cache_entry()
+        block_bytes = parts * args.num_layers * engine_config.block_size * kv_heads * width * element
         draft_config = dataclasses.replace(
             engine_config, model=path, quantization=None, speculative_config=None, preemption_mode="recompute",
             kv_cache_memory_bytes=target.num_blocks * block_bytes, enable_prefix_caching=False,

@@ -72,3 +72,51 @@ def test_sink_reference_is_hugging_face_eager():
     hf, _ = eager_attention_forward(module, q[None], k[None], v[None], mask[None, None], 0.25)
     ours = reference.causal_attention_reference(q, k, v, torch.arange(length), 0.25, sinks=sinks)
     torch.testing.assert_close(ours.transpose(0, 1), hf[0])
+
+
+# -- the families against transformers --------------------------------------------------------------------------
+from backend import LLM, SamplingParams  # noqa: E402
+from tests.test_model_families import PROMPTS, VOCAB, hf_greedy  # noqa: E402
+
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                 "mscale": 0.9, "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1}
+DEEPSEEK_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
+                      qk_nope_head_dim=16, v_head_dim=12, max_position_embeddings=256, initializer_range=0.3)
+CASES = {
+    "deepseek-dense": ("DeepseekV3", dict(DEEPSEEK_SHAPE, q_lora_rank=24, first_k_dense_replace=2,
+                                          rope_parameters=DEEPSEEK_YARN)),
+    "deepseek-dense-no-q-lora": ("DeepseekV3", dict(DEEPSEEK_SHAPE, q_lora_rank=None, first_k_dense_replace=2,
+                                                    attention_bias=True, rope_interleave=False)),
+}
+
+
+def tiny(name: str, path) -> torch.nn.Module:
+    """A random model saved to path, every parameter perturbed (norm weights, biases and sinks far
+    from their init, so a dropped term shows); the reference in float32, eager attention."""
+    import transformers
+
+    prefix, options = CASES[name]
+    config = getattr(transformers, f"{prefix}Config")(**options)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{prefix}ForCausalLM")._from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * (0.3 if param.dim() == 1 else 0.02))
+    model.eval().save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_family_matches_hf(tmp_path, name):
+    model = tiny(name, tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    max_tokens = 12
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1))
+    for output, prompt in zip(outputs, PROMPTS):
+        completion = output.outputs[0]
+        tokens, logprobs = hf_greedy(model, prompt, max_tokens)
+        assert completion.token_ids == tokens, name
+        ours = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
+        assert ours == pytest.approx(logprobs, abs=1e-4), name

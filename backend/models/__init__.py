@@ -9,11 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 from backend.errors import EngineError
-from backend.models import gemma, llama, olmo2, phi3
+from backend.models import deepseek, gemma, llama, olmo2, phi3
 from backend.models.decoder import CausalLM, ModelArgs, check_parallel
 
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelArgs]] = {
-    **llama.ARCHITECTURES, **gemma.ARCHITECTURES, **phi3.ARCHITECTURES, **olmo2.ARCHITECTURES}
+    **llama.ARCHITECTURES, **gemma.ARCHITECTURES, **phi3.ARCHITECTURES, **olmo2.ARCHITECTURES,
+    **deepseek.ARCHITECTURES}
 
 __all__ = ["ARCHITECTURES", "CausalLM", "ModelArgs", "architecture", "build_model", "check_parallel", "model_args"]
 

@@ -25,6 +25,7 @@ from backend import parallel_state
 from backend.attention import AttentionMetadata
 from backend.models.layers.activation import gated_activation
 from backend.models.layers.attention import Attention
+from backend.models.layers.mla import LatentAttention, LatentAttentionArgs
 from backend.models.layers.norm import RMSNorm
 from backend.models.layers.rotary import rope_tables
 from backend.parallel_state import ParallelState
@@ -62,6 +63,15 @@ class ModelArgs:
     embed_multiplier_in_dtype: bool = False
     residual_multiplier: float | None = None  # Granite: residual + block(x) * m
     logits_divisor: float | None = None  # Granite: logits / logits_scaling
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
+    mla: LatentAttentionArgs | None = None  # DeepSeek: multi-head latent attention (head_dim: its rope part)
+
+    def kv_cache_entry(self, tp: int = 1) -> tuple[int, int, int]:
+        """(parts, KV heads, width) of one token's KV-cache entry in one layer on one tensor rank:
+        a key and a value per KV head; under latent attention one latent, shared by every head."""
+        if self.mla is not None:
+            return 1, 1, self.mla.latent_dim
+        return 2, max(1, self.num_kv_heads // tp), self.head_dim
 
     def rope_for_layer(self, layer_id: int) -> dict[str, Any]:
         sliding = bool(self.sliding_windows) and self.sliding_windows[layer_id] is not None
@@ -120,7 +130,7 @@ class DecoderLayer(nn.Module):
 
         if args.layout != "post":
             self.input_layernorm = norm()
-        self.self_attn = Attention(args, parallel, layer_id)
+        self.self_attn = (LatentAttention if args.mla else Attention)(args, parallel, layer_id)
         self.post_attention_layernorm = norm()
         if args.layout == "sandwich":
             self.pre_feedforward_layernorm = norm()
@@ -286,7 +296,7 @@ class CausalLM(nn.Module):
         if tp == 1:
             return tensor
         module = name.split(".")[-2]
-        if module in ("q_proj", "gate_proj", "up_proj"):
+        if module in ("q_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj") or name.endswith("self_attn.sinks"):
             return tensor.chunk(tp, dim=0)[rank]
         if module in ("k_proj", "v_proj"):
             kv_heads = self.args.num_kv_heads
@@ -332,7 +342,7 @@ class CausalLM(nn.Module):
                 name = local
                 parts = name.split(".")
                 fused = self.FUSED.get(parts[-2]) if len(parts) >= 2 else None
-                if fused is not None:
+                if fused is not None and name not in params:  # (a model's own q_proj, as DeepSeek's, stays whole)
                     target = ".".join(parts[:-2] + [fused[0], parts[-1]])
                     pending.setdefault(target, {})[fused[1]] = tensor
                     expected = 3 if fused[0] == "qkv_proj" else 2
@@ -355,3 +365,5 @@ class CausalLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, RMSNorm) and module.load_offset:
                     module.weight += module.load_offset
+                if hasattr(module, "after_load"):  # a layer reworking its loaded weights (MLA's rope rows)
+                    module.after_load()

@@ -1,6 +1,7 @@
 """The attention block: one fused q/k/v projection (biases optional), q/k norms (per head as in
 Qwen3 and Gemma 3, or across all heads as in OLMo 2), rotary embeddings, paged attention with the
-layer's sliding window and logit soft-cap, and the output projection (bias optional).
+layer's sliding window, logit soft-cap and attention sinks (gpt-oss: a learned logit per head), and
+the output projection (bias optional).
 
 Tensor parallelism: q/k/v are column-parallel (each rank its heads; KV heads are replicated when
 ranks outnumber them), o_proj row-parallel with an all-reduce after it (its bias, if any, lives on
@@ -39,6 +40,7 @@ class Attention(nn.Module):
         self.scale = args.attention_scale if args.attention_scale is not None else args.head_dim ** -0.5
         self.sliding_window = args.sliding_windows[layer_id] if args.sliding_windows else None
         self.logits_soft_cap = args.attn_logit_softcap
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if args.attention_sinks else None  # this rank's heads
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -52,5 +54,5 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, k, cos, sin)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         out = ops.paged_attention(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
-                                  logits_soft_cap=self.logits_soft_cap)
+                                  logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
         return parallel_state.all_reduce(self.o_proj(out), self.parallel)
