@@ -120,3 +120,40 @@ def test_family_matches_hf(tmp_path, name):
         assert completion.token_ids == tokens, name
         ours = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
         assert ours == pytest.approx(logprobs, abs=1e-4), name
+
+
+def test_latent_kv_cache_bytes_per_token(tmp_path):
+    """DeepSeek's cache holds one latent (kv_lora_rank + qk_rope_head_dim) per token and layer, no
+    heads: 40 floats here against full attention's 4 heads x (24 + 12); the engine sizes its blocks
+    by it. DeepSeek-V3's own shape in bfloat16: 1,152 bytes against 81,920 (71x fewer)."""
+    from backend.models.layers.mla import LatentAttentionArgs, cache_bytes_per_token
+
+    tiny("deepseek-dense", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20)
+    runner = llm.llm_engine.runner
+    cache = runner.kv_caches[0]
+    assert (cache.shape[0], cache.shape[1], cache.shape[3], cache.shape[4]) == (1, 1, runner.block_size, 40)
+    mla = runner.args.mla
+    latent, full = cache_bytes_per_token(mla, 4, element_bytes=4)
+    assert (latent, full) == (40 * 4, 4 * (24 + 12) * 4)
+    assert runner.block_bytes == latent * runner.block_size * 2  # two layers
+    assert runner.num_blocks == (1 << 20) // runner.block_bytes
+    v3 = LatentAttentionArgs(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536)
+    assert cache_bytes_per_token(v3, 128, element_bytes=2) == (1152, 81920)
+
+
+@pytest.mark.parametrize("name", ["deepseek-dense"])
+def test_family_on_triton_kernels(tmp_path, name):
+    """The same greedy tokens through the Triton kernels (the interpreter on a CPU): latent
+    attention reads its one-part cache as keys and values; sinks start the online softmax."""
+    from backend import ops
+
+    model = tiny(name, tmp_path)
+    prompts = [PROMPTS[1][:20], PROMPTS[0]]
+    context = ops.triton_kernels() if DEVICE.type == "cpu" else torch.no_grad()
+    with context:
+        llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
+                  max_num_batched_tokens=16, max_num_seqs=4, device=DEVICE.type)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    for output, prompt in zip(outputs, prompts):
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 5)[0], name
