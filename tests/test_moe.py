@@ -9,6 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+# Imported at collection, before anything else can import Triton without the interpreter.
+from backend.kernels import reference
+from backend.kernels.fused_moe import align_by_expert, fused_moe
+
 from backend import LLM, SamplingParams
 from backend.models.layers.moe import (MoEArgs, Router, SparseMoE, grouped_experts, per_token_experts,
                                        sparse_layers)
@@ -197,3 +201,55 @@ def test_sparse_layer_selection():
     assert sparse_layers(4, decoder_sparse_step=2) == (False, True, False, True)
     assert sparse_layers(4, mlp_only_layers=[0, 2]) == (False, True, False, True)
     assert sparse_layers(4, first_k_dense_replace=3) == (False, False, False, True)
+
+
+# -- the fused Triton kernel (through the interpreter without a GPU) ---------------------------------------
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def uneven_routing(num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
+    """Expert 1 in nearly every token's top-k, experts 0 and the last never, the rest scattered."""
+    ids = torch.stack([torch.randperm(num_experts - 2)[:top_k] + 1 for _ in range(num_tokens)])
+    ids[: num_tokens - 2, 0] = 1
+    ids[: num_tokens - 2, 1:] = torch.where(ids[: num_tokens - 2, 1:] == 1, 2, ids[: num_tokens - 2, 1:])
+    return ids
+
+
+def test_align_by_expert_pads_each_expert_to_whole_tiles():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 1]])
+    pairs, tiles, num_padded = align_by_expert(ids, num_experts=5, block_m=4)
+    assert int(num_padded) == 12  # experts 0, 1, 3 one tile each; 2 and 4 none
+    assert pairs[:12].tolist() == [3, 6, 6, 6, 1, 2, 5, 6, 0, 4, 6, 6]
+    assert tiles[:3].tolist() == [0, 1, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (37, 2), (20, 3)])
+def test_fused_moe_matches_reference_on_uneven_loads(dtype, num_tokens, top_k):
+    torch.manual_seed(0)
+    num_experts, hidden, intermediate = 8, 48, 40  # not powers of two: masked columns and K slices
+    x = torch.randn(num_tokens, hidden, device=DEVICE).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, device=DEVICE) * 0.2).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, intermediate, device=DEVICE) * 0.2).to(dtype)
+    ids = uneven_routing(num_tokens, num_experts, top_k).to(DEVICE)
+    weights = torch.rand(num_tokens, top_k, device=DEVICE)
+    expected = reference.fused_moe_reference(x, w13, w2, weights, ids)
+    tolerance = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=6e-2, rtol=2e-2)  # a bfloat16 unit at |y| ~ 4-8
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids), expected, **tolerance)
+
+
+def test_moe_layer_on_the_kernel_matches_the_grouped_cpu_path():
+    """SparseMoE through ops.fused_moe (experts stacked, their nn.Linear weights now views) gives
+    the grouped path's output, shared expert included."""
+    from backend import ops
+
+    moe = MoEArgs(num_experts=8, top_k=2, intermediate_size=24, sparse_layers=(True,), norm_topk_prob=True,
+                  shared_intermediate_size=16, shared_expert_gate=True)
+    layer = random_moe(moe)
+    x = torch.randn(21, 32)
+    expected = layer(x)
+    with ops.triton_kernels():
+        out = layer(x)
+    assert layer.stacked is not None
+    assert layer.experts[3].gate_up_proj.weight.data_ptr() == layer.stacked[0][3].data_ptr()
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)

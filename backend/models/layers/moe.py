@@ -207,8 +207,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if ops.fused_moe_applies(x) and self.stack_experts():
-            out = ops.fused_moe(x, *self.stacked, weights, ids)
+        stacked = self.stack_experts() if ops.fused_moe_applies(x) else None
+        if stacked is not None:
+            out = ops.fused_moe(x, *stacked, weights, ids)
         else:
             out = grouped_experts(x, weights, ids, self.experts)
         if self.shared_expert is not None:
@@ -218,22 +219,22 @@ class SparseMoE(nn.Module):
             out = out + shared
         return parallel_state.all_reduce(out, self.parallel)
 
-    def stack_experts(self) -> bool:
-        """Stack the experts' weights for the fused kernel once; the nn.Linear weights become views
-        of the stacks. False where the kernel does not apply: biases, another activation, or
-        experts that are no longer plain nn.Linear (quantized)."""
+    def stack_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(w13, w2) for the fused kernel, stacked once; the nn.Linear weights become views of the
+        stacks. None where the kernel does not apply: biases, another activation, or experts that
+        are no longer plain nn.Linear (quantized)."""
         if self.stacked is not None:
-            return True
+            return self.stacked
         if self.moe.activation != "silu" or self.moe.expert_bias or not all(
                 type(e.gate_up_proj) is nn.Linear and type(e.down_proj) is nn.Linear for e in self.experts):
-            return False
+            return None
         w13 = torch.stack([e.gate_up_proj.weight.detach() for e in self.experts])
         w2 = torch.stack([e.down_proj.weight.detach() for e in self.experts])
         for index, expert in enumerate(self.experts):
             expert.gate_up_proj.weight = nn.Parameter(w13[index], requires_grad=False)
             expert.down_proj.weight = nn.Parameter(w2[index], requires_grad=False)
         self.stacked = (w13, w2)
-        return True
+        return self.stacked
 
 
 # -- checkpoint names ----------------------------------------------------------------------------------
