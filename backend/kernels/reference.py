@@ -210,3 +210,19 @@ def add_lora_reference(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
         weights = slot_weights[slot]
         if weights is not None:
             out[start:end].addmm_(x[start:end] @ weights[0], weights[1])
+
+
+def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k] -> [T, H]: each
+    (token, slot) pair through its expert (SiLU-gated), scaled by its weight in float32 and rounded,
+    then summed over the k slots."""
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    rows = x.repeat_interleave(top_k, dim=0)
+    out = torch.zeros(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    for expert in flat_ids.unique().tolist():
+        pairs = (flat_ids == expert).nonzero().squeeze(1)
+        hidden = F.linear(silu_and_mul_reference(F.linear(rows[pairs], w13[expert])), w2[expert])
+        out[pairs] = (hidden.float() * topk_weights.reshape(-1)[pairs].float().unsqueeze(1)).to(x.dtype)
+    return out.view(num_tokens, top_k, -1).sum(1)

@@ -1,7 +1,8 @@
 """Model implementations, each written against the paged-attention op, and the registry that picks
 one by the `architectures` of a model's config.json. Every family is the dense decoder of
 `decoder.py` with its options read from the config by a short mapping (`llama.py`, `gemma.py`,
-`phi3.py`, `olmo2.py`); the shared building blocks live in `layers/`."""
+`phi3.py`, `olmo2.py`; the mixtures of experts `mixtral.py`, `qwen_moe.py`, whose sparse layers
+put `layers/moe.py` in the MLP's slot); the shared building blocks live in `layers/`."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 from backend.errors import EngineError
-from backend.models import deepseek, gemma, llama, olmo2, phi3
+from backend.models import deepseek, gemma, llama, mixtral, olmo2, phi3, qwen_moe
 from backend.models.decoder import CausalLM, ModelArgs, check_parallel
 
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelArgs]] = {
     **llama.ARCHITECTURES, **gemma.ARCHITECTURES, **phi3.ARCHITECTURES, **olmo2.ARCHITECTURES,
-    **deepseek.ARCHITECTURES}
+    **mixtral.ARCHITECTURES, **qwen_moe.ARCHITECTURES, **deepseek.ARCHITECTURES}
 
 __all__ = ["ARCHITECTURES", "CausalLM", "ModelArgs", "architecture", "build_model", "check_parallel", "model_args"]
 

@@ -8,7 +8,8 @@ the activation dtype) so greedy tokens match it exactly in float32.
 
 Tensor parallelism (Megatron style): q/k/v and gate/up are column-parallel, o_proj and down_proj
 row-parallel with an all-reduce after them (their biases on rank 0 only), the embedding and LM head
-split by vocabulary; norms, per-head q/k norms included, are replicated. Layers stay plain
+split by vocabulary; norms, per-head q/k norms included, are replicated. Mixture-of-experts layers
+(`layers/moe.py`) take the MLP's slot on the layers `MoEArgs.sparse_layers` marks. Layers stay plain
 nn.Linear, sharded as the weights load. Pipeline parallelism gives each stage a contiguous run of
 layers; the first embeds, the last normalises and computes logits.
 """
@@ -26,6 +27,7 @@ from backend.attention import AttentionMetadata
 from backend.models.layers.activation import gated_activation
 from backend.models.layers.attention import Attention
 from backend.models.layers.mla import LatentAttention, LatentAttentionArgs
+from backend.models.layers.moe import MoEArgs, SparseMoE, checkpoint_tensors
 from backend.models.layers.norm import RMSNorm
 from backend.models.layers.rotary import rope_tables
 from backend.parallel_state import ParallelState
@@ -63,6 +65,7 @@ class ModelArgs:
     embed_multiplier_in_dtype: bool = False
     residual_multiplier: float | None = None  # Granite: residual + block(x) * m
     logits_divisor: float | None = None  # Granite: logits / logits_scaling
+    moe: MoEArgs | None = None  # mixture-of-experts families: the MLP of their sparse layers
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
     mla: LatentAttentionArgs | None = None  # DeepSeek: multi-head latent attention (head_dim: its rope part)
 
@@ -87,6 +90,10 @@ def check_parallel(args: ModelArgs, tp: int, pp: int) -> None:
         problems.append(f"num_key_value_heads ({args.num_kv_heads}; or tp a multiple of it)")
     if args.intermediate_size % tp:
         problems.append(f"intermediate_size ({args.intermediate_size})")
+    if args.moe is not None and args.moe.intermediate_size % tp:
+        problems.append(f"moe_intermediate_size ({args.moe.intermediate_size})")
+    if args.moe is not None and args.moe.shared_intermediate_size % tp:
+        problems.append(f"shared expert intermediate size ({args.moe.shared_intermediate_size})")
     if problems:
         raise ValueError(f"tensor_parallel_size: {tp} does not divide {', '.join(problems)}")
     if tp > 1 and args.qk_norm == "full":
@@ -136,7 +143,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
         if args.layout != "pre":
             self.post_feedforward_layernorm = norm()
-        self.mlp = MLP(args, parallel)
+        moe = args.moe
+        self.mlp = SparseMoE(args.hidden_size, moe, parallel) if moe and moe.sparse_layers[layer_id] else MLP(args, parallel)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         if self.layout == "post":  # OLMo 2: h + norm(block(h)), no norm before the blocks
@@ -334,7 +342,9 @@ class CausalLM(nn.Module):
         for checkpoint_name, checkpoint_tensor in weights:
             if "rotary_emb" in checkpoint_name:
                 continue
-            for name, tensor in self.split_fused(checkpoint_name, checkpoint_tensor):
+            pieces = ([(checkpoint_name, checkpoint_tensor)] if self.args.moe is None
+                      else checkpoint_tensors(checkpoint_name, checkpoint_tensor, self.args.moe))
+            for name, tensor in (piece for pair in pieces for piece in self.split_fused(*pair)):
                 local = self.local_name(name)
                 if local is None:
                     continue
