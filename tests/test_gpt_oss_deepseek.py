@@ -84,6 +84,10 @@ DEEPSEEK_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, nu
                       num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
                       qk_nope_head_dim=16, v_head_dim=12, max_position_embeddings=256, initializer_range=0.3)
 CASES = {
+    "deepseek-v3": ("DeepseekV3", dict(DEEPSEEK_SHAPE, num_hidden_layers=3, q_lora_rank=24, first_k_dense_replace=1,
+                                       n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                       moe_intermediate_size=32, n_shared_experts=2, routed_scaling_factor=2.5,
+                                       rope_parameters=DEEPSEEK_YARN)),
     "deepseek-dense": ("DeepseekV3", dict(DEEPSEEK_SHAPE, q_lora_rank=24, first_k_dense_replace=2,
                                           rope_parameters=DEEPSEEK_YARN)),
     "deepseek-dense-no-q-lora": ("DeepseekV3", dict(DEEPSEEK_SHAPE, q_lora_rank=None, first_k_dense_replace=2,
@@ -103,6 +107,9 @@ def tiny(name: str, path) -> torch.nn.Module:
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * (0.3 if param.dim() == 1 else 0.02))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's: a buffer, zero at init
+                buffer.add_(torch.randn_like(buffer) * 0.3)
     model.eval().save_pretrained(path)
     return model
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from backend.models.decoder import ModelArgs
 from backend.models.layers.mla import LatentAttentionArgs
+from backend.models.layers.moe import MoEArgs, sparse_layers
 from backend.models.llama import dense_args
 
 
@@ -32,10 +33,21 @@ def deepseek_v3(config: dict[str, Any]) -> ModelArgs:
                               q_lora_rank=config.get("q_lora_rank"),
                               rope_interleave=config.get("rope_interleave", True) is not False)
     num_layers = config["num_hidden_layers"]
-    if config.get("first_k_dense_replace", num_layers) < num_layers and config.get("n_routed_experts"):
-        raise NotImplementedError("DeepSeek-V3's mixture-of-experts layers are not supported yet")
+    moe = None
+    if config.get("n_routed_experts"):
+        moe = MoEArgs(num_experts=config["n_routed_experts"], top_k=config["num_experts_per_tok"],
+                      intermediate_size=config["moe_intermediate_size"],
+                      sparse_layers=sparse_layers(num_layers, config.get("first_k_dense_replace", 0),
+                                                  moe_layer_freq=config.get("moe_layer_freq", 1)),
+                      scoring="sigmoid", norm_topk_prob=config.get("norm_topk_prob", True),
+                      num_groups=config.get("n_group") or 1, topk_groups=config.get("topk_group") or 1,
+                      correction_bias=True, routed_scaling_factor=config.get("routed_scaling_factor", 1.0),
+                      router_float32=True,
+                      shared_intermediate_size=config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0))
+        if not any(moe.sparse_layers):
+            moe = None
     args = dense_args(config, head_dim=mla.qk_rope_head_dim, num_kv_heads=config["num_attention_heads"], mla=mla,
-                      sliding_windows=())
+                      moe=moe, sliding_windows=())
     args.attention_scale = softmax_scale(mla, args.rope)
     return args
 
