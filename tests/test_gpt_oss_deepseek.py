@@ -83,7 +83,13 @@ DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "ori
 DEEPSEEK_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
                       qk_nope_head_dim=16, v_head_dim=12, max_position_embeddings=256, initializer_range=0.3)
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
 CASES = {
+    "gpt-oss": ("GptOss", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                               num_experts_per_tok=2, sliding_window=16, swiglu_limit=1.5,
+                               max_position_embeddings=256, initializer_range=0.3, rope_parameters=GPT_OSS_YARN)),
     "deepseek-v3": ("DeepseekV3", dict(DEEPSEEK_SHAPE, num_hidden_layers=3, q_lora_rank=24, first_k_dense_replace=1,
                                        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                                        moe_intermediate_size=32, n_shared_experts=2, routed_scaling_factor=2.5,
