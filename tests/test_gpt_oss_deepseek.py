@@ -155,7 +155,7 @@ def test_latent_kv_cache_bytes_per_token(tmp_path):
     assert cache_bytes_per_token(v3, 128, element_bytes=2) == (1152, 81920)
 
 
-@pytest.mark.parametrize("name", ["deepseek-dense"])
+@pytest.mark.parametrize("name", ["deepseek-dense", "gpt-oss"])
 def test_family_on_triton_kernels(tmp_path, name):
     """The same greedy tokens through the Triton kernels (the interpreter on a CPU): latent
     attention reads its one-part cache as keys and values; sinks start the online softmax."""
@@ -170,3 +170,18 @@ def test_family_on_triton_kernels(tmp_path, name):
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     for output, prompt in zip(outputs, prompts):
         assert output.outputs[0].token_ids == hf_greedy(model, prompt, 5)[0], name
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "deepseek-v3"])
+def test_tensor_parallel_matches_hf(tmp_path, name):
+    """tp=2 over gloo: gpt-oss's sinks split with their heads; DeepSeek's heads (q_b_proj, kv_b_proj)
+    split while every rank keeps the whole latent; experts split along their intermediate size."""
+    model = tiny(name, tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
+              tensor_parallel_size=2)
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    for output, prompt in zip(outputs, PROMPTS):
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 8)[0], name
