@@ -58,12 +58,14 @@ def tiny_moe(name: str, path, **overrides) -> torch.nn.Module:
     return model
 
 
-def greedy(path, max_tokens=12, **options):
+def greedy_tokens(path, max_tokens=12, **options) -> list:
+    """Our greedy completions (CompletionOutput: token ids and logprobs) of PROMPTS, float32."""
     llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
               max_num_batched_tokens=16, max_num_seqs=4, **options)
     try:
-        return llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                                    logprobs=1))
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                       logprobs=1))
+        return [output.outputs[0] for output in outputs]
     finally:
         llm.shutdown()
 
@@ -72,8 +74,7 @@ def greedy(path, max_tokens=12, **options):
 def test_moe_family_matches_hf(tmp_path, name):
     model = tiny_moe(name, tmp_path)
     max_tokens = 12
-    for output, prompt in zip(greedy(tmp_path, max_tokens), PROMPTS):
-        completion = output.outputs[0]
+    for completion, prompt in zip(greedy_tokens(tmp_path, max_tokens), PROMPTS):
         tokens, logprobs = hf_greedy(model, prompt, max_tokens)
         assert completion.token_ids == tokens, name
         ours = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
@@ -86,7 +87,7 @@ def test_fused_expert_checkpoint_layout_loads_the_same(tmp_path):
     from safetensors.torch import load_file, save_file
 
     model = tiny_moe("qwen3-moe", tmp_path)
-    expected = greedy(tmp_path, 6)
+    expected = [c.token_ids for c in greedy_tokens(tmp_path, 6)]
     weights = load_file(str(tmp_path / "model.safetensors"))
     num_experts = model.config.num_experts
     fused = {}
@@ -99,7 +100,7 @@ def test_fused_expert_checkpoint_layout_loads_the_same(tmp_path):
             fused[f"{prefix}.down_proj"] = torch.stack([pop[3 * e + 2] for e in range(num_experts)])
     assert fused
     save_file({**weights, **fused}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    assert [o.outputs[0].token_ids for o in greedy(tmp_path, 6)] == [o.outputs[0].token_ids for o in expected]
+    assert [c.token_ids for c in greedy_tokens(tmp_path, 6)] == expected
 
 
 def test_moe_tensor_parallel_matches_hf(tmp_path):
@@ -147,6 +148,31 @@ def test_load_time_quantization_reaches_the_experts(tmp_path, method):
     dequantized = LLM(str(tmp_path / "dequantized"), dtype="float32", skip_tokenizer_init=True,
                       kv_cache_memory_bytes=4 << 20).generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in quantized] == [o.outputs[0].token_ids for o in dequantized]
+
+
+def test_moe_family_served_through_the_triton_model(tmp_path, model_path):
+    """A tiny Mixtral (SmolLM2's tokenizer) in a real tritonserver: the `llm` model's greedy text is
+    the offline engine's, whose tokens are Hugging Face's."""
+    import shutil
+    from pathlib import Path
+
+    from tests.test_triton_model import generate, llm_server, texts
+
+    folder = tmp_path / "tiny-mixtral"
+    model = tiny_moe("mixtral", folder, vocab_size=49152)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        if (Path(model_path) / file).is_file():
+            shutil.copy(Path(model_path) / file, folder / file)
+    prompt, max_tokens = PROMPTS[1], 8
+    offline = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+    offline.shutdown()
+    assert expected.outputs[0].token_ids == hf_greedy(model, prompt, max_tokens)[0]
+    engine_args = {"model": str(folder), "dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "max_model_len": 256}
+    with llm_server(tmp_path / "work", engine_args) as server:
+        [result] = generate(server, prompt, {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True},
+                            exclude_input_in_output=True)
+    assert texts(result) == [expected.outputs[0].text]
 
 
 # -- the layer on its own -------------------------------------------------------------------------------------
@@ -215,7 +241,7 @@ def uneven_routing(num_tokens: int, num_experts: int, top_k: int) -> torch.Tenso
     return ids
 
 
-def test_align_by_expert_pads_each_expert_to_whole_tiles():
+def test_fused_moe_kernel_aligns_each_expert_to_whole_tiles():
     ids = torch.tensor([[3, 1], [1, 0], [3, 1]])
     pairs, tiles, num_padded = align_by_expert(ids, num_experts=5, block_m=4)
     assert int(num_padded) == 12  # experts 0, 1, 3 one tile each; 2 and 4 none
@@ -225,7 +251,7 @@ def test_align_by_expert_pads_each_expert_to_whole_tiles():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (37, 2), (20, 3)])
-def test_fused_moe_matches_reference_on_uneven_loads(dtype, num_tokens, top_k):
+def test_fused_moe_kernel_matches_reference_on_uneven_loads(dtype, num_tokens, top_k):
     torch.manual_seed(0)
     num_experts, hidden, intermediate = 8, 48, 40  # not powers of two: masked columns and K slices
     x = torch.randn(num_tokens, hidden, device=DEVICE).to(dtype)

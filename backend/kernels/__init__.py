@@ -9,6 +9,7 @@
 | `rotary.py` | rotary embedding of queries and keys, in place |
 | `activation.py` | SiLU-and-mul |
 | `quant_matmul.py` | fused dequantize + matmul of AWQ / GPTQ weights |
+| `fused_moe.py` | mixture of experts: tokens aligned by expert into tiles + two grouped GEMMs |
 
 The CPU path imports `reference.py` alone: `backend/ops.py` loads the kernel modules (and Triton,
 through `jit.py`) only when it runs a kernel, on CUDA tensors or, in the tests, on CPU tensors through

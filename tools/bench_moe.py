@@ -1,0 +1,108 @@
+"""Mixture-of-experts speed on the CPU at a tiny-but-not-trivial shape (8 experts, top-2):
+
+1. the MoE layer's grouped path (tokens sorted by expert, one GEMM per expert) against a per-token
+   loop over the chosen experts, both on the packed linears the engine runs, for a prefill chunk and
+   a decode batch;
+2. decode throughput of a random Mixtral through the offline LLM against a dense Llama of the same
+   active parameters per token (its MLP as wide as top-k experts together), paired runs.
+
+    python -m tools.bench_moe --dtype bfloat16 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tools.bench_families import decode_rate
+
+NUM_EXPERTS, TOP_K = 8, 2
+SHAPE = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+             head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False)
+EXPERT_INTERMEDIATE = 768
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def layer_timings(dtype: torch.dtype, num_tokens: int, repeats: int) -> tuple[float, float]:
+    """Seconds per call (median) of the grouped path and the per-token loop on num_tokens tokens."""
+    from backend import cpu_ops
+    from backend.models.layers.moe import MoEArgs, SparseMoE, grouped_experts, per_token_experts
+    from backend.parallel_state import ParallelState
+
+    torch.manual_seed(0)
+    moe = MoEArgs(num_experts=NUM_EXPERTS, top_k=TOP_K, intermediate_size=EXPERT_INTERMEDIATE,
+                  sparse_layers=(True,), norm_topk_prob=True)
+    layer = SparseMoE(SHAPE["hidden_size"], moe, ParallelState())
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0, 0.05)
+    layer = layer.to(dtype).eval()
+    cpu_ops.pack_linears(layer, num_tokens)
+    x = torch.randn(num_tokens, SHAPE["hidden_size"], dtype=dtype)
+    weights, ids = layer.gate(x)
+    times: dict[str, list[float]] = {"grouped": [], "loop": []}
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first round warms up
+            for name, run in (("grouped", grouped_experts), ("loop", per_token_experts)):
+                start = time.perf_counter()
+                run(x, weights, ids, layer.experts)
+                times[name].append(time.perf_counter() - start)
+    return median(times["grouped"][1:]), median(times["loop"][1:])
+
+
+def build(kind: str, folder: Path) -> None:
+    import transformers as t
+
+    if kind == "mixtral":
+        config = t.MixtralConfig(**SHAPE, intermediate_size=EXPERT_INTERMEDIATE, num_local_experts=NUM_EXPERTS,
+                                 num_experts_per_tok=TOP_K)
+        model_class = t.MixtralForCausalLM
+    else:  # the same active parameters: one MLP as wide as the top-k experts together
+        config = t.LlamaConfig(**SHAPE, intermediate_size=TOP_K * EXPERT_INTERMEDIATE)
+        model_class = t.LlamaForCausalLM
+    torch.manual_seed(0)
+    model_class._from_config(config).save_pretrained(folder)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-seqs", default="1,4", help="decode batch sizes, comma-separated")
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+
+    print(f"MoE layer, {NUM_EXPERTS} experts top-{TOP_K}, hidden {SHAPE['hidden_size']}, expert intermediate "
+          f"{EXPERT_INTERMEDIATE}, {args.dtype}: grouped by expert vs a per-token loop over experts")
+    for num_tokens in (256, 16, 4):
+        grouped, loop = layer_timings(dtype, num_tokens, max(args.repeats, 3))
+        print(f"  {num_tokens:4d} tokens  grouped {grouped * 1e3:8.2f} ms  loop {loop * 1e3:8.2f} ms  "
+              f"speed-up {loop / grouped:6.2f}x")
+
+    kinds = ("dense", "mixtral")
+    with tempfile.TemporaryDirectory() as scratch:
+        for kind in kinds:
+            build(kind, Path(scratch) / kind)
+        for num_seqs in (int(n) for n in args.num_seqs.split(",")):
+            rates: dict[str, list[float]] = {kind: [] for kind in kinds}
+            for _ in range(args.repeats):  # paired: each repeat runs both, in turn
+                for kind in kinds:
+                    rates[kind].append(decode_rate(Path(scratch) / kind, args.dtype, num_seqs, args.output_len))
+            dense, mixtral = median(rates["dense"]), median(rates["mixtral"])
+            print(f"decode tok/s, {args.dtype}, {num_seqs} sequences x {args.output_len} tokens: dense (MLP "
+                  f"{TOP_K * EXPERT_INTERMEDIATE}) {dense:8.1f}  Mixtral ({NUM_EXPERTS}x{EXPERT_INTERMEDIATE}, "
+                  f"top-{TOP_K}) {mixtral:8.1f}  dense / MoE {dense / mixtral:.2f}x  "
+                  f"runs dense [{', '.join(f'{r:.1f}' for r in rates['dense'])}] "
+                  f"MoE [{', '.join(f'{r:.1f}' for r in rates['mixtral'])}]")
+
+
+if __name__ == "__main__":
+    main()
