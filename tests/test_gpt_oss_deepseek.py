@@ -12,11 +12,13 @@ from backend.kernels import reference
 from backend.kernels.paged_attention import paged_attention_decode
 from backend.kernels.prefill_attention import paged_attention_prefill
 
+from backend import LLM, SamplingParams
 from tests.test_kernels import DEVICE, NUM_KV_HEADS, TOLERANCE, block_tables_for, paged_cache
+from tests.test_model_families import PROMPTS, VOCAB, hf_greedy
 
 
 @pytest.mark.parametrize("window", [None, 16, 40])
-def test_decode_attention_with_sinks(window):
+def test_decode_attention_kernel_with_sinks(window):
     """Per-head sinks, some large enough to take most of the mass: the kernel, with and without
     split-K (the sink counts in one split only), equals the reference; without sinks it differs."""
     torch.manual_seed(7)
@@ -38,7 +40,7 @@ def test_decode_attention_with_sinks(window):
 
 
 @pytest.mark.parametrize("window", [None, 16])
-def test_prefill_attention_with_sinks(window):
+def test_prefill_attention_kernel_with_sinks(window):
     torch.manual_seed(8)
     chunks = [(70, 70), (5, 40), (1, 33)]
     seq_lens = [context for _, context in chunks]
@@ -75,8 +77,6 @@ def test_sink_reference_is_hugging_face_eager():
 
 
 # -- the families against transformers --------------------------------------------------------------------------
-from backend import LLM, SamplingParams  # noqa: E402
-from tests.test_model_families import PROMPTS, VOCAB, hf_greedy  # noqa: E402
 
 DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
                  "mscale": 0.9, "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1}
