@@ -77,7 +77,8 @@ def paged_attention_decode_reference(query: torch.Tensor, key_cache: torch.Tenso
     blocks = block_tables.flatten()
     # [KVH, S, L, D], in the query's dtype (an fp8 cache converts as it is read)
     keys = gather_blocks(key_cache, blocks).view(num_kv_heads, num_seqs, -1, head_dim).to(query.dtype)
-    values = gather_blocks(value_cache, blocks).view(num_kv_heads, num_seqs, -1, head_dim).to(query.dtype)
+    values = (keys if value_cache.data_ptr() == key_cache.data_ptr()  # one latent cache (MLA): read it once
+              else gather_blocks(value_cache, blocks).view(num_kv_heads, num_seqs, -1, head_dim).to(query.dtype))
     grouped = query.view(num_seqs, num_kv_heads, -1, head_dim).transpose(0, 1)  # [KVH, S, G, D]
     scores = torch.matmul(grouped, keys.transpose(2, 3)) * scale  # [KVH, S, G, L]
     if logits_soft_cap is not None:
