@@ -148,20 +148,6 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     reference.add_lora_reference(out, x, lora_a, lora_b, batch)
 
 
-def fused_moe_applies(x: torch.Tensor) -> bool:
-    """The fused MoE Triton kernel runs (CUDA, or CPU tensors inside `triton_kernels()`); elsewhere
-    `layers/moe.py` groups tokens by expert over the CPU's linears."""
-    return _use_triton(x)
-
-
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SiLU-gated experts stacked as
-    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]."""
-    from backend.kernels.fused_moe import fused_moe as kernel
-    return kernel(x, w13, w2, topk_weights, topk_ids)
-
-
 def add_lora_cpu(out: torch.Tensor, x: torch.Tensor, lora_at: torch.Tensor, lora_bt: torch.Tensor, layout) -> None:
     """The CPU path of add_lora (see backend/lora/layers.py): lora_at [slots, in, R] and lora_bt
     [slots, R, out] in x's dtype, layout a backend.lora.layers.CPULayout."""
@@ -174,3 +160,17 @@ def add_lora_cpu(out: torch.Tensor, x: torch.Tensor, lora_at: torch.Tensor, lora
         return
     delta = torch.bmm(torch.bmm(x.index_select(0, layout.gather).view(num, length, -1), at), bt)
     out.index_add_(0, layout.tokens, delta.view(num * length, -1).index_select(0, layout.valid))
+
+
+def fused_moe_applies(x: torch.Tensor) -> bool:
+    """The fused MoE Triton kernel runs (CUDA, or CPU tensors inside `triton_kernels()`); elsewhere
+    `layers/moe.py` groups tokens by expert over the CPU's linears."""
+    return _use_triton(x)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SiLU-gated experts stacked as
+    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]."""
+    from backend.kernels.fused_moe import fused_moe as kernel
+    return kernel(x, w13, w2, topk_weights, topk_ids)

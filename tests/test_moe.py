@@ -169,7 +169,9 @@ def test_moe_family_served_through_the_triton_model(tmp_path, model_path):
     offline.shutdown()
     assert expected.outputs[0].token_ids == hf_greedy(model, prompt, max_tokens)[0]
     engine_args = {"model": str(folder), "dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "max_model_len": 256}
-    with llm_server(tmp_path / "work", engine_args) as server:
+    # clean_exit=False: a clean exit is test_triton_model's to check; on a loaded machine this
+    # stub's unload can outlast the fixture's --exit-timeout-secs=5.
+    with llm_server(tmp_path / "work", engine_args, clean_exit=False) as server:
         [result] = generate(server, prompt, {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True},
                             exclude_input_in_output=True)
     assert texts(result) == [expected.outputs[0].text]
@@ -279,3 +281,63 @@ def test_moe_layer_on_the_kernel_matches_the_grouped_cpu_path():
     assert layer.stacked is not None
     assert layer.experts[3].gate_up_proj.weight.data_ptr() == layer.stacked[0][3].data_ptr()
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_topk_softmax_router_matches_gpt_oss():
+    """The "topk_softmax" scoring with a router bias (gpt-oss): top-k of the logits, softmax over them."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    config = GptOssConfig(hidden_size=32, num_local_experts=8, num_experts_per_tok=3)
+    torch.manual_seed(0)
+    hf = GptOssTopKRouter(config)
+    ours = Router(32, MoEArgs(num_experts=8, top_k=3, intermediate_size=8, sparse_layers=(True,),
+                              scoring="topk_softmax", router_bias=True))
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(8, 32))
+        hf.bias.copy_(torch.randn(8))
+        ours.weight.copy_(hf.weight)
+        ours.bias.copy_(hf.bias)
+    x = torch.randn(20, 32)
+    _, hf_weights, hf_ids = hf(x)
+    weights, ids = ours(x)
+    assert torch.equal(ids, hf_ids)
+    torch.testing.assert_close(weights, hf_weights)
+
+
+def test_transposed_interleaved_fused_layout_splits_per_expert():
+    """gpt-oss's layout: gate_up_proj [E, H, 2I] with gate and up interleaved along 2I, down_proj
+    [E, I, H], biases [E, 2I] / [E, H]: each expert's nn.Linear-shaped gate, up and down."""
+    from backend.models.layers.moe import checkpoint_tensors
+
+    moe = MoEArgs(num_experts=2, top_k=1, intermediate_size=3, sparse_layers=(True,), fused_transposed=True,
+                  gate_up_interleaved=True, expert_bias=True)
+    gate_up = torch.randn(2, 4, 6)
+    pieces = dict(checkpoint_tensors("model.layers.0.mlp.experts.gate_up_proj", gate_up, moe))
+    assert torch.equal(pieces["model.layers.0.mlp.experts.1.gate_proj.weight"], gate_up[1, :, 0::2].t())
+    assert torch.equal(pieces["model.layers.0.mlp.experts.1.up_proj.weight"], gate_up[1, :, 1::2].t())
+    bias = torch.randn(2, 6)
+    pieces = dict(checkpoint_tensors("model.layers.0.mlp.experts.gate_up_proj_bias", bias, moe))
+    assert torch.equal(pieces["model.layers.0.mlp.experts.0.up_proj.bias"], bias[0, 1::2])
+    down = torch.randn(2, 3, 4)
+    pieces = dict(checkpoint_tensors("model.layers.0.mlp.experts.down_proj", down, moe))
+    assert torch.equal(pieces["model.layers.0.mlp.experts.1.down_proj.weight"], down[1].t())
+    renamed = checkpoint_tensors("model.layers.2.block_sparse_moe.experts.5.w3.weight", down[0], moe)
+    assert renamed[0][0] == "model.layers.2.mlp.experts.5.up_proj.weight"
+    assert checkpoint_tensors("model.layers.0.mlp.router.bias", bias[0], moe)[0][0] == "model.layers.0.mlp.gate.bias"
+
+
+def test_unsupported_moe_setups_are_refused_clearly(tmp_path):
+    import json
+
+    from backend.errors import EngineError
+    from backend.models import check_parallel, model_args
+
+    tiny_moe("qwen3-moe", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 3 does not divide.*moe_intermediate_size \(32\)"):
+        check_parallel(model_args(config), 3, 1)
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EngineError, match="gptq checkpoints of mixture-of-experts models are not supported"):
+        LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20)

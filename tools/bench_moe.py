@@ -7,6 +7,7 @@
    active parameters per token (its MLP as wide as top-k experts together), paired runs.
 
     python -m tools.bench_moe --dtype bfloat16 --repeats 3
+    python -m tools.bench_moe --threads 1   # on a shared machine: fewer stalls at thread barriers
 """
 
 from __future__ import annotations
@@ -77,8 +78,11 @@ def main() -> None:
     parser.add_argument("--num-seqs", default="1,4", help="decode batch sizes, comma-separated")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     print(f"MoE layer, {NUM_EXPERTS} experts top-{TOP_K}, hidden {SHAPE['hidden_size']}, expert intermediate "
           f"{EXPERT_INTERMEDIATE}, {args.dtype}: grouped by expert vs a per-token loop over experts")

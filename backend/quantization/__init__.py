@@ -10,7 +10,7 @@ FP8 (`fp8.py`) or INT8 (`int8.py`). The model runner calls, in order:
     quantize_loaded(model, quant)          after the weights load and the model took its dtype:
                                            repack AWQ/GPTQ, quantize the float linears for fp8 / int8
 
-The decoder's linear layers are quantized; the embeddings and lm_head stay as the checkpoint has
+The decoder's linear layers are quantized, mixture-of-experts experts included (fp8 / int8 only); the embeddings and lm_head stay as the checkpoint has
 them (float, or GGUF blocks).
 """
 
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from backend.config import QUANTIZATION_METHODS as METHODS  # the one list, beside EngineConfig
+from backend.errors import EngineError
 from backend.quantization import awq, gguf, gptq
 from backend.quantization.config import LOAD_TIME_METHODS, QuantConfig, detect
 from backend.quantization.fp8 import KV_CACHE_DTYPES, Fp8Linear, kv_cache_dtype
@@ -41,6 +42,9 @@ def prepare(model: nn.Module, quant: QuantConfig | None, model_path: str, dtype:
     """Swap in the checkpoint's quantized layers (call inside the meta-device context)."""
     if quant is None or quant.method in LOAD_TIME_METHODS:
         return
+    if getattr(model.args, "moe", None) is not None:  # expert tensors' names and layouts differ per format
+        raise EngineError("quantization", f"{quant.method} checkpoints of mixture-of-experts models are not supported "
+                                          f"yet; int8 and fp8 quantize a float MoE checkpoint at load")
     if quant.method == "gguf":
         for name, qtype in gguf.block_types(gguf.gguf_file(model_path), model.args.tie_word_embeddings).items():
             old = model.get_submodule(name)
