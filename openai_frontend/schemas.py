@@ -110,6 +110,8 @@ class ChatMessage(Request):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: which call this answers
+    reasoning: str | None = None  # assistant messages: their thinking, given back (vLLM's field)
+    reasoning_content: str | None = None  # the same, by its older name
 
 
 class FunctionDefinition(Request):
@@ -144,6 +146,7 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None  # vLLM's: more variables for the chat template (enable_thinking)
 
 
 class EmbeddingRequest(Request):
@@ -225,6 +228,8 @@ class ToolCallOut(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning: str | None = None  # with --reasoning-parser: the thinking before the answer (vLLM's field)
+    reasoning_content: str | None = None  # the same, by its older name
     tool_calls: list[ToolCallOut] | None = None
 
 
