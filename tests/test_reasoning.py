@@ -1,9 +1,8 @@
 """Reasoning models: the <think> parsers on whole and streamed text, and `reasoning` /
 `reasoning_content` apart from `content` through the official SDK from a frontend started with
 `--reasoning-parser deepseek_r1` on a real `tritonllm serve`, with a chat template that opens the
-think block as DeepSeek-R1's does
-(SmolLM2 never closes it by itself, so structured outputs write one where a test needs it), with
-`chat_template_kwargs` reaching the template."""
+think block as DeepSeek-R1's does (SmolLM2 never closes it by itself, so structured outputs write
+one where a test needs it), and `chat_template_kwargs` reaching the template.""" 
 
 from __future__ import annotations
 
@@ -67,6 +66,23 @@ def test_reasoning_then_tool_calls_streamed():
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert calls[0]["function"]["name"] == "get_weather"
     assert "".join(c["function"].get("arguments", "") for c in calls) == '{"city": "Paris"}'
+
+
+def test_flags_as_vllm_spells_them():
+    import argparse
+
+    from tools.serve import add_serve_arguments
+    flags = ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
+    settings, _ = parse_settings(flags)
+    assert (settings.reasoning_parser, settings.enable_auto_tool_choice, settings.tool_call_parser) == \
+        ("qwen3", True, "pythonic")
+    assert parse_settings([])[0].reasoning_parser is None and not parse_settings([])[0].enable_auto_tool_choice
+    serve = argparse.ArgumentParser()
+    add_serve_arguments(serve)
+    args = serve.parse_args(flags)
+    assert (args.reasoning_parser, args.enable_auto_tool_choice, args.tool_call_parser) == ("qwen3", True, "pythonic")
+    with pytest.raises(SystemExit):
+        parse_settings(["--reasoning-parser", "nope"])
 
 
 # -- through the OpenAI SDK, from a real `tritonllm serve --reasoning-parser deepseek_r1` ---------
@@ -137,13 +153,27 @@ def test_chat_template_kwargs_reach_the_template(thinking, model_name, tokenizer
     assert error.value.status_code == 400 and "chat_template_kwargs" in str(error.value)
 
 
-def test_reasoning_given_back_and_auto_tool_choice(thinking, model_name):
-    """An assistant turn's reasoning is accepted back; with --enable-auto-tool-choice, tools alone
-    mean `auto` (free text, read for calls)."""
+def test_reasoning_then_a_tool_call_read_from_free_text(thinking, model_name):
+    """With --enable-auto-tool-choice, tools alone mean `auto`: the calls are read from the answer's
+    text (here written by a regex as a Hermes block after a think block), whole and streamed, the
+    arguments in pieces; an assistant turn's reasoning is accepted back."""
     messages = QUESTION + [{"role": "assistant", "content": "Hello!", "reasoning": "Greet."},
-                           {"role": "user", "content": "Again."}]
-    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
-    response = thinking.chat.completions.create(model=model_name, messages=messages, tools=tools, max_tokens=5,
-                                                temperature=0)
-    assert response.choices[0].finish_reason in ("length", "stop", "tool_calls")
-    assert json.loads(response.model_dump_json())["choices"][0]["message"]["reasoning"]
+                           {"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    regex = ('<think>[a-z ]{3,20}</think>\n<tool_call>\n\\{"name": "get_weather", "arguments": '
+             '\\{"city": "[A-Z][a-z]{2,8}", "days": [1-9]\\}\\}\n</tool_call>')
+    request = dict(model=model_name, messages=messages, tools=tools, temperature=0, max_tokens=80,
+                   extra_body={"structured_outputs": {"regex": regex}})
+    choice = thinking.chat.completions.create(**request).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city", "days"}
+
+    chunks = [chunk.choices[0] for chunk in thinking.chat.completions.create(**request, stream=True) if chunk.choices]
+    deltas = [d for c in chunks for d in c.delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert len([d for d in deltas if d.function.arguments]) > 2  # in pieces, as written
+    assert "".join(getattr(c.delta, "reasoning", None) or "" for c in chunks) == choice.message.reasoning
+    assert chunks[-1].finish_reason == "tool_calls"

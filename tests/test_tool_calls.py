@@ -174,9 +174,10 @@ def test_required_tool_call_through_the_sdk(client, model_name):
     stream = client.chat.completions.create(model=model_name, messages=QUESTION, tools=TOOLS,
                                             tool_choice="required", temperature=0, max_tokens=100, stream=True)
     chunks = [c.choices[0] for c in stream if c.choices]
-    deltas = [call for c in chunks for call in c.delta.tool_calls or []]
-    assert [(d.function.name, d.function.arguments) for d in deltas] == \
+    deltas = [call.model_dump(exclude_none=True) for c in chunks for call in c.delta.tool_calls or []]
+    assert [(name, arguments) for _, name, arguments in merged(deltas)] == \
         [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert len(deltas) > 2  # the arguments came in pieces, as they were generated
     assert chunks[-1].finish_reason == "tool_calls"
 
 
@@ -211,6 +212,8 @@ def test_tool_results_continue_the_conversation(client, model_name):
 
 @pytest.mark.parametrize("changes, param", [
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({}, "tool_choice"),  # tools alone mean "auto", which needs --enable-auto-tool-choice (as in vLLM)
+    ({"tool_choice": "auto"}, "tool_choice"),
     ({"tools": None, "tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
