@@ -117,13 +117,16 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         if tool.get("type") != "function":
             raise invalid(f"tools[{k}].type", f"tools[{k}].type: only function tools are supported, "
                                               f"got {tool.get('type')!r}")
-        function = FunctionTool.model_validate(tool).model_dump(exclude_none=True, exclude={"type"})
+        try:
+            function = FunctionTool.model_validate(tool).model_dump(exclude_none=True, exclude={"type"})
+        except ValueError as error:
+            raise invalid(f"tools[{k}]", f"tools[{k}]: not a valid function tool: {error}") from None
         tools.append({"type": "function", "function": function})
     choice: Any = body.tool_choice
     if isinstance(choice, NamedFunction):
         choice = {"type": "function", "function": {"name": choice.name}}
     text_format = body.text.format if body.text and body.text.format else None
-    response_format = None
+    response_format: dict | None = None
     if text_format is not None and text_format.type != "text":
         response_format = {"type": text_format.type}
         if text_format.type == "json_schema":
@@ -294,8 +297,7 @@ async def serve_response(frontend, body: ResponsesRequest, raw_request: Request)
         async def events():
             yield writer.event("response.created", response=builder.response("in_progress"))
             yield writer.event("response.in_progress", response=builder.response("in_progress"))
-            finish_reason = None
-            async for _, deltas, _, finish_reason in answers:
+            async for _, deltas, _, _ in answers:
                 for delta in deltas:
                     for event in writer.feed(delta):
                         yield event
@@ -303,7 +305,7 @@ async def serve_response(frontend, body: ResponsesRequest, raw_request: Request)
                 yield event
             log_completion(frontend, builder.id, choices)
             yield writer.event("response.completed", response=builder.response(
-                "completed", builder.usage(choices), finish_reason or choices.choices[0].finish_reason))
+                "completed", builder.usage(choices), choices.choices[0].finish_reason))
 
         return StreamingResponse(sse_events(events()), media_type="text/event-stream")
 

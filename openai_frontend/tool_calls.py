@@ -117,7 +117,7 @@ class ToolCallStream:
         content, calls = self.plan.read(self.text)
         if not calls:
             return self._content(len(self.text))
-        deltas = [{"content": content[self.sent:]}] if content[self.sent:].strip() else []
+        deltas: list[dict] = [{"content": content[self.sent:]}] if content[self.sent:].strip() else []
         for index, call in enumerate(calls):
             if index < len(self.calls):  # sent in part: the rest of its arguments
                 sent = self.calls[index]

@@ -100,7 +100,8 @@ def read_calls(text: str) -> list[Call] | None:
 def json_values(text: str, separators: str = "") -> list[tuple[object, bool]]:
     """The JSON values written one after another in `text` (between them whitespace or
     `separators`), the last perhaps cut short: (value, complete)."""
-    decoder, values, position = json.JSONDecoder(), [], 0
+    decoder, position = json.JSONDecoder(), 0
+    values: list[tuple[object, bool]] = []
     while True:
         while position < len(text) and (text[position].isspace() or text[position] in separators):
             position += 1

@@ -2,7 +2,7 @@
 `reasoning_content` apart from `content` through the official SDK from a frontend started with
 `--reasoning-parser deepseek_r1` on a real `tritonllm serve`, with a chat template that opens the
 think block as DeepSeek-R1's does (SmolLM2 never closes it by itself, so structured outputs write
-one where a test needs it), and `chat_template_kwargs` reaching the template.""" 
+one where a test needs it), and `chat_template_kwargs` reaching the template."""
 
 from __future__ import annotations
 

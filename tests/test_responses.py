@@ -11,11 +11,43 @@ import httpx
 import openai
 import pytest
 
+from openai_frontend.serving_responses import EventWriter, ResponseBuilder, ResponsesRequest
 from test_openai_frontend import API_KEY, _no_request_left_running, client, model_name, serve  # noqa: F401
 from test_tool_calls import TOOLS, WEATHER
 
 QUESTION = "What is the weather like in Paris?"
 FUNCTIONS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # the Responses API's tool shape
+
+
+def test_chat_deltas_become_output_items_and_events():
+    """Reasoning, text and two calls (arguments in pieces) -> one output item each, every item
+    opened, filled and done in order; the items hold what the deltas carried."""
+    builder = ResponseBuilder(ResponsesRequest(model="m", input="hi"))
+    writer = EventWriter(builder)
+    deltas = [{"reasoning": "Think", "reasoning_content": "Think"}, {"reasoning": "ing."}, {"content": "Hi"},
+              {"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                               "function": {"name": "f", "arguments": "{"}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": '"x": 1}'}}]},
+              {"tool_calls": [{"index": 1, "id": "call_b", "type": "function", "function": {"name": "g", "arguments": ""}}]},
+              {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]}]
+    events = [event for delta in deltas for event in writer.feed(delta)] + writer.close()
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds == [
+        "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done"]
+    reasoning, message, first, second = builder.output
+    assert reasoning["content"][0]["text"] == "Thinking." and message["content"][0]["text"] == "Hi"
+    assert (first["call_id"], first["name"], first["arguments"]) == ("call_a", "f", '{"x": 1}')
+    assert (second["call_id"], second["arguments"]) == ("call_b", "{}")
+    assert all(item["status"] == "completed" for item in builder.output)
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2, 3]
 
 
 def test_text_response_matches_chat(client, model_name):
@@ -103,6 +135,7 @@ def test_named_function_then_its_output(client, model_name):
 @pytest.mark.parametrize("changes, param", [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "name": "bad name!"}], "tool_choice": "none"}, "tools[0]"),
     ({"tools": [{"type": "function", **WEATHER["function"]}]}, "tool_choice"),  # auto needs the server's flag
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"input": []}, "input"),
