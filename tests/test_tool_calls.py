@@ -220,7 +220,8 @@ def test_tool_results_continue_the_conversation(client, model_name):
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "objekt"}}}]}, "tools"),
     ({"messages": QUESTION + [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
-        "name": "get_time", "arguments": "{oops"}}]}]}, "messages[1].tool_calls[0].function.arguments"),
+        "name": "get_time", "arguments": "{oops"}}]}], "tool_choice": "none"},
+     "messages[1].tool_calls[0].function.arguments"),
 ])
 def test_bad_tool_requests_are_400(serve, model_name, changes, param):
     body = {"model": model_name, "messages": QUESTION, "tools": TOOLS, "max_tokens": 5, **changes}
