@@ -78,8 +78,8 @@ class LLM:
             output.prompt = prompt
         return outputs
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False,
-                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: each prompt's `beam_width` best hypotheses, best first, scored as
         transformers' `generate(num_beams=...)` scores them (backend/beam_search.py). All prompts'
         beams run in the same engine steps, one one-token request per beam per step."""

@@ -175,8 +175,10 @@ class TritonPythonModel:
 
     def _submit_beam(self, job: Job, prompt, params, cache_salt, lora_request) -> None:
         """Beam search: one final response whose n samples are the n best beams, best first."""
-        beam = beam_params(job.flags["beam"], params)
         prompt_text, prompt_ids = self.engine.engine.tokenize(prompt)
+        if params.max_tokens is None:  # the rest of the context, as for other requests
+            params.max_tokens = max(self.engine.max_model_len - len(prompt_ids), 1)
+        beam = beam_params(job.flags["beam"], params)
 
         def done(result, job=job) -> None:
             if not isinstance(result, Exception):
