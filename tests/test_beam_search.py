@@ -189,3 +189,38 @@ def test_openai_completions_use_beam_search(serve, llm, model_path):
         client.completions.create(model=model, prompt="Hi", max_tokens=4, stream=True,
                                   extra_body={"use_beam_search": True})
     assert error.value.body["param"] == "use_beam_search"
+
+
+def test_async_beam_search_matches_offline_and_abort_frees_blocks(model_path, llm):
+    """The driver the Triton model uses (AsyncBeamSearch on an AsyncLLMEngine): the same beams as
+    LLM.beam_search; aborted mid-way, it ends with an error and leaves no request or block behind."""
+    import queue
+
+    from backend import AsyncLLMEngine, EngineConfig
+    from backend.beam_search import AsyncBeamSearch, BeamSearchOutput
+    engine = AsyncLLMEngine(EngineConfig.from_dict({"model": model_path, "dtype": "float32",
+                                                    "kv_cache_memory_bytes": 64 << 20}))
+    try:
+        prompt_ids = engine.tokenizer(PROMPTS[2]).input_ids
+        params = BeamSearchParams(beam_width=3, max_tokens=12)
+        results: queue.Queue = queue.Queue()
+        AsyncBeamSearch(engine, "whole", prompt_ids, params, results.put).start()
+        result = results.get(timeout=600)
+        assert isinstance(result, BeamSearchOutput)
+        offline, = llm.beam_search([prompt_ids], params)
+        assert [s.tokens for s in result.sequences] == [s.tokens for s in offline.sequences]
+
+        search = AsyncBeamSearch(engine, "aborted", prompt_ids, BeamSearchParams(beam_width=4, max_tokens=200,
+                                                                                 ignore_eos=True), results.put)
+        search.start()
+        deadline = time.monotonic() + 600
+        while search.num_steps < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        search.abort()
+        assert isinstance(results.get(timeout=600), Exception)
+        while engine.num_unfinished_requests() or engine.engine.num_used_blocks():
+            assert time.monotonic() < deadline, "an aborted beam search left requests or blocks behind"
+            time.sleep(0.05)
+    finally:
+        engine.shutdown()
