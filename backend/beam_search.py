@@ -26,7 +26,7 @@ length; `"never"`: at max_tokens when length_penalty > 0), once k are finished
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np

@@ -78,18 +78,18 @@ class LLM:
             output.prompt = prompt
         return outputs
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+    def beam_search(self, prompts: Prompt | dict | Sequence[Prompt | dict], params: BeamSearchParams,
                     lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: each prompt's `beam_width` best hypotheses, best first, scored as
         transformers' `generate(num_beams=...)` scores them (backend/beam_search.py). All prompts'
         beams run in the same engine steps, one one-token request per beam per step."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        one = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        items: list = [prompts] if one else list(prompts)
         engine = self.llm_engine
         searches = []
-        for prompt in prompts:
-            if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
-                prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        for item in items:
+            # vLLM's TextPrompt / TokensPrompt dicts, or a text, or token ids
+            prompt: Prompt = item.get("prompt_token_ids", item.get("prompt")) if isinstance(item, dict) else item
             _, prompt_ids = engine.tokenize(prompt)
             check_fits(len(prompt_ids), params, engine.max_model_len)
             searches.append(BeamSearch(prompt_ids, params, engine.eos_token_ids))

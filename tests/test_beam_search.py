@@ -5,13 +5,11 @@ openai SDK) on a real `tritonllm serve`."""
 from __future__ import annotations
 
 import functools
-import json
 import signal
 import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import torch
 
