@@ -243,7 +243,8 @@ def beam_params(options: dict, params: SamplingParams) -> BeamSearchParams:
 class AsyncBeamSearch:
     """One beam search through an AsyncLLMEngine: each step's requests go in with callbacks; the
     last of them to finish advances the search (on the engine thread) and sends the next step's.
-    `on_done` gets a BeamSearchOutput, or the exception that ended the search (an abort too)."""
+    `on_done` gets a BeamSearchOutput, the RequestOutput of a step request the engine failed (its
+    `error` set), or the exception that ended the search (an abort too)."""
 
     def __init__(self, engine, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
                  on_done: Callable[[object], None], *, cache_salt: str | None = None, lora_request=None,
@@ -299,8 +300,10 @@ class AsyncBeamSearch:
             outputs = list(self.pending.values())
         failed = next((o for o in outputs if o.error is not None or not o.outputs
                        or o.outputs[0].finish_reason == "abort"), None)
+        if failed is not None and failed.error is not None:
+            return self._end(failed)  # the step's error, as the engine reported it
         if failed is not None or self.aborted:
-            return self._end(RuntimeError(failed.error if failed is not None and failed.error else "aborted"))
+            return self._end(RuntimeError("beam search aborted"))
         try:
             self.search.advance([candidates_of(o) for o in outputs])
             if self.search.done:

@@ -37,7 +37,7 @@ except ImportError as error:  # the stub runs an isolated Python: PYTHONPATH doe
     raise ImportError("tritonllm's `backend` package is not importable by Triton's Python stub; "
                       "install it into the Python that runs tritonserver (pip install -e .)") from error
 
-from backend.beam_search import AsyncBeamSearch, beam_params, to_request_output
+from backend.beam_search import AsyncBeamSearch, BeamSearchOutput, beam_params, to_request_output
 from backend.errors import EngineError
 from backend.lora import LoRARegistry, LoRARequest, parse_lora_modules
 import sys
@@ -181,7 +181,7 @@ class TritonPythonModel:
         beam = beam_params(job.flags["beam"], params)
 
         def done(result, job=job) -> None:
-            if not isinstance(result, Exception):
+            if isinstance(result, BeamSearchOutput):
                 result = to_request_output(job.request_id, prompt_text, result, job.n)
             self.outbox.put((job, result))
 
