@@ -86,6 +86,10 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's bound for completions
     best_of: int | None = Field(None, ge=1, le=128, description="samples to draw per prompt; the n with the "
                                                                 "highest cumulative logprob are returned")
+    # vLLM's beam search extras (non-streamed): the n best of best_of (or n) beams, best first
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 class ContentPart(Request):
