@@ -34,7 +34,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
     num_pairs = flat.numel()
     max_rows = num_pairs + num_experts * (block_m - 1)
     max_rows = -(-max_rows // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add_, not bincount: bincount on CUDA reads the largest id back to the host, which a
+    # CUDA graph capture forbids
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_ends = padded.cumsum(0)
     padded_starts = padded_ends - padded

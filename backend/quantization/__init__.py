@@ -10,7 +10,8 @@ FP8 (`fp8.py`) or INT8 (`int8.py`). The model runner calls, in order:
     quantize_loaded(model, quant)          after the weights load and the model took its dtype:
                                            repack AWQ/GPTQ, quantize the float linears for fp8 / int8
 
-The decoder's linear layers are quantized, mixture-of-experts experts included (fp8 / int8 only); the embeddings and lm_head stay as the checkpoint has
+The decoder's linear layers are quantized (a mixture of experts' experts too, with fp8 / int8; its
+quantized checkpoints are refused for now); the embeddings and lm_head stay as the checkpoint has
 them (float, or GGUF blocks).
 """
 
