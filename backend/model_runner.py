@@ -187,7 +187,9 @@ class ModelRunner:
         logits = self._run(plans)
         scores = []
         if prompt_spans:  # each plan's rows are its sampled rows, then its prompt rows
-            sampled, scored, offset = [], [], 0
+            sampled: list[int] = []
+            scored: list[int] = []
+            offset = 0
             for plan in plans:
                 sampled.extend(range(offset, offset + len(plan.sample_rows)))
                 offset += len(plan.sample_rows)
