@@ -1,7 +1,7 @@
 """Prompt logprobs (issue 29, item 1): SamplingParams.prompt_logprobs offline, through the Triton
 model (`return_prompt_logprobs`), and echo + logprobs on /v1/completions (max_tokens 0 included),
 exact against Hugging Face transformers in float32 whatever the chunking, prefix cache or
-preemption. Also /tokenize, /detokenize and /v1/models/{id} (item 3), sharing the served model."""
+preemption. Also /tokenize and /detokenize (item 3)."""
 
 from __future__ import annotations
 
@@ -178,40 +178,41 @@ def test_completions_max_tokens_0_needs_echo(client, model_name):
         client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0)
 
 
-# -- /tokenize, /detokenize and /v1/models/{id} (issue 29, item 3), on the same server -----------
-def test_tokenize_and_detokenize(serve, client, model_name, tokenizer):
-    """vLLM's shapes, through the openai SDK's raw post (it has no typed method for them)."""
+# -- /tokenize and /detokenize (issue 29, item 3): the frontend's tokenizer, no Triton needed ------
+def test_tokenize_and_detokenize(model_path, tokenizer):
+    """vLLM's shapes, through the openai SDK's raw post (it has no typed method for them), on a
+    frontend whose Triton is absent: these endpoints never ask it. (/v1/models/{id} is in
+    test_openai_frontend.py.)"""
     import openai
 
-    base = str(client.base_url).removesuffix("/v1/")
-    raw = openai.OpenAI(base_url=base, api_key=client.api_key, max_retries=0)
+    from openai_frontend import Settings
+    from tests.test_openai_frontend import ServedApp
+    from tools.triton_server import free_port
 
-    def post_root(path: str, body: dict) -> dict:
-        return raw.post(path, body=body, cast_to=httpx.Response).json()
+    with ServedApp(Settings(grpc_url=f"127.0.0.1:{free_port()}", model=model_path, max_model_len=2048)) as app:
+        raw = openai.OpenAI(base_url=app.url, api_key="unused", max_retries=0, timeout=60)
+        model = Settings(model=model_path).resolved().served_model_name
 
-    ids = tokenizer(PROMPT).input_ids
-    answer = post_root("/tokenize", {"model": model_name, "prompt": PROMPT, "return_token_strs": True})
-    assert answer["tokens"] == ids and answer["count"] == len(ids)
-    assert answer["max_model_len"] == 2048 and answer["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
-    assert post_root("/detokenize", {"model": model_name, "tokens": ids}) == {"prompt": tokenizer.decode(ids)}
-    messages = [{"role": "user", "content": "Hi there"}]
-    chat = post_root("/tokenize", {"model": model_name, "messages": messages})
-    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert chat["tokens"] == tokenizer(expected, add_special_tokens=False).input_ids and chat["token_strs"] is None
-    bare = post_root("/tokenize", {"messages": messages, "add_generation_prompt": False})
-    assert chat["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < chat["count"]
-    # The chat endpoint counts the same prompt.
-    completion = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1)
-    assert completion.usage.prompt_tokens == chat["count"]
-    for path, body, param in [("/tokenize", {"prompt": "x", "messages": messages}, None),
-                              ("/tokenize", {"model": "absent", "prompt": "x"}, None),
-                              ("/detokenize", {"tokens": [10 ** 6]}, "tokens")]:
-        with pytest.raises(openai.APIStatusError) as error:
-            post_root(path, body)
-        assert error.value.status_code in (400, 404)
-        if param:
-            assert error.value.param == param
-    card = client.models.retrieve(model_name)
-    assert card.id == model_name
-    with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("absent")
+        def post(path: str, body: dict) -> dict:
+            return raw.post(path, body=body, cast_to=httpx.Response).json()
+
+        ids = tokenizer(PROMPT).input_ids
+        answer = post("/tokenize", {"model": model, "prompt": PROMPT, "return_token_strs": True})
+        assert answer["tokens"] == ids and answer["count"] == len(ids)
+        assert answer["max_model_len"] == 2048 and answer["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+        assert post("/detokenize", {"model": model, "tokens": ids}) == {"prompt": tokenizer.decode(ids)}
+        messages = [{"role": "user", "content": "Hi there"}]
+        chat = post("/tokenize", {"model": model, "messages": messages})
+        expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert chat["tokens"] == tokenizer(expected, add_special_tokens=False).input_ids
+        assert chat["token_strs"] is None
+        bare = post("/tokenize", {"messages": messages, "add_generation_prompt": False})
+        assert chat["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < chat["count"]
+        for path, body, status, param in [("/tokenize", {"prompt": "x", "messages": messages}, 400, None),
+                                          ("/tokenize", {"model": "absent", "prompt": "x"}, 404, None),
+                                          ("/detokenize", {"tokens": [10 ** 6]}, 400, "tokens")]:
+            with pytest.raises(openai.APIStatusError) as error:
+                post(path, body)
+            assert error.value.status_code == status, (path, body)
+            if param:
+                assert error.value.param == param
