@@ -3,8 +3,9 @@
 through the OpenAI frontend) and with `--model hf` on the same weights, float32 both: the metrics
 equal within 1e-3, and so does every choice's loglikelihood.
 
-lm-eval is not in the test extras: its dependencies (numpy 2, pandas 3, pyarrow 24+) do not install
-beside tritonllm's numpy < 2 without pins; the test skips where `lm_eval` is missing."""
+lm-eval is not in the test extras: `pip install 'lm-eval[api]'` pulls numpy 2 (pandas 3, pyarrow 24+,
+datasets 5) over tritonllm's numpy < 2; it installs beside it with pins (numpy==1.26.4,
+pandas<2.3, pyarrow<20, datasets<4). The test skips where `lm_eval` is missing."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import pytest
 
 from tests.test_openai_frontend import API_KEY, model_name, serve  # noqa: F401 (fixtures)
 
-pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install lm-eval)")
+pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'lm-eval[api]')")
+pytest.importorskip("tenacity", reason="lm-eval's API models need its `api` extra (pip install 'lm-eval[api]')")
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK = "tritonllm_loglik"
