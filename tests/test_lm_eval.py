@@ -27,13 +27,13 @@ TASK = "tritonllm_loglik"
 TOLERANCE = 1e-3
 
 
-def run_lm_eval(model: str, model_args: str, output: Path) -> tuple[dict, list[list[float]]]:
+def run_lm_eval(model: str, model_args: str, output: Path, *options: str) -> tuple[dict, list[list[float]]]:
     """The task's metrics and each document's choice loglikelihoods, from the lm_eval CLI."""
     env = {**os.environ, "OPENAI_API_KEY": API_KEY, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args,
                "--tasks", TASK, "--include_path", str(ROOT / "tests/data/lm_eval"), "--batch_size", "1",
-               "--output_path", str(output), "--log_samples"]
+               "--output_path", str(output), "--log_samples", *options]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, f"lm_eval --model {model} failed:\n{done.stderr[-4000:]}"
     [results_file] = output.rglob("results_*.json")
@@ -51,8 +51,8 @@ def test_local_completions_equals_hf(serve, model_name, model_path, tmp_path):
         f"model={model_name},base_url={serve.url}/v1/completions,tokenizer_backend=huggingface,"
         f"tokenizer={model_path},tokenized_requests=True,num_concurrent=4,max_retries=1",
         tmp_path / "served")
-    reference, reference_lls = run_lm_eval("hf", f"pretrained={model_path},dtype=float32,device=cpu",
-                                           tmp_path / "hf")
+    reference, reference_lls = run_lm_eval("hf", f"pretrained={model_path},dtype=float32", tmp_path / "hf",
+                                           "--device", "cpu")
     assert len(served_lls) == len(reference_lls) == 32
     for name in ("acc,none", "acc_norm,none"):
         assert abs(served[name] - reference[name]) <= TOLERANCE, (name, served[name], reference[name])
