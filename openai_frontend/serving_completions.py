@@ -44,6 +44,19 @@ def check_request_size(num_prompts: int, n: int, best_of: int | None, stream: bo
                            f"got {samples}")
 
 
+def beam_search_options(body: CompletionRequest) -> dict:
+    """vLLM's `use_beam_search` -> the llm model's beam options (none without it): `best_of` (or
+    `n`) beams, the n best returned in order."""
+    if not body.use_beam_search:
+        return {}
+    if body.stream:
+        raise invalid("use_beam_search", "use_beam_search: beam search is not streamed; set stream to false")
+    if body.logprobs is not None:
+        raise invalid("logprobs", "logprobs: not returned with beam search; drop logprobs or use_beam_search")
+    return {"use_beam_search": True, "beam_width": body.best_of or body.n, "length_penalty": body.length_penalty,
+            "early_stopping": body.early_stopping}
+
+
 def completion_logprobs(entries: list[list[TokenLogprob]], offset: int) -> CompletionLogprobs:
     """OpenAI's legacy shape: the sampled (or echoed prompt) tokens, their logprobs, the top-N per
     position; an echoed prompt's first token has no logprob (None, as in vLLM)."""
@@ -75,6 +88,7 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
     # echo with max_tokens 0 (lm-evaluation-harness' loglikelihood): the engine makes one token,
     # which nobody sees; the prompt and its logprobs are the answer (as in vLLM).
     echo_only = body.echo and body.max_tokens == 0
+    beam = beam_search_options(body)
     items = split_prompts(body.prompt)
     samples = body.best_of if body.best_of is not None else body.n
     check_request_size(len(items), body.n, body.best_of, body.stream)
@@ -90,6 +104,8 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
                                       structured=structured, n=samples) | adapter
                   | ({"prompt_logprobs": echo_logprobs} if echo_logprobs is not None else {})
                   for ids in prompts]
+    if beam:
+        samples, parameters = body.n, [{**values, "n": body.n} | beam for values in parameters]
     echoes = [p if isinstance(p, str) else frontend.prompts.decode(p) for p in items] if body.echo else None
     prompt_logprobs: list = [None] * len(prompts)  # per prompt, from its first response (echo with logprobs)
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -149,7 +165,8 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
             fold(prompt_index, chunk)
 
     await unless_disconnected(raw_request, collect())
-    choices.keep_best(body.n)
+    if not beam:  # beams come back n best, in order
+        choices.keep_best(body.n)
     log_completion(frontend, response_id, choices)
 
     def logprobs_of(index: int, choice) -> CompletionLogprobs | None:
