@@ -281,7 +281,8 @@ class LLMEngine:
         if plan.swap_out or plan.swap_in:
             self.runner.swap_blocks(plan.swap_out, plan.swap_in)
         if plan.scheduled:
-            logits, sampled_requests = self.runner.execute(plan.scheduled)
+            logits, sampled_requests, prompt_scores = self.runner.execute(plan.scheduled)
+            self.output_processor.append_prompt_logprobs(prompt_scores)
             sampled = self._sample(logits, sampled_requests)
             self.output_processor.append_tokens(sampled)
             for request in self.scheduler.update_from_output(plan):

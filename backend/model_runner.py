@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from backend import distributed, kv_memory, parallel_state, quantization
+from backend import distributed, kv_memory, parallel_state, prompt_logprobs, quantization
 from backend.attention import AttentionMetadata, PrefillSpan
 from backend.config import EngineConfig
 from backend.errors import check
@@ -30,6 +30,7 @@ from backend.kv_memory import KVCacheLayout
 from backend.lora.layers import LoRABatch, LoRAModel
 from backend.model_loader import load_model, model_args, resolve_device, resolve_dtype
 from backend.models import check_parallel
+from backend.prompt_logprobs import PromptScores
 from backend.request import Request
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,11 @@ class StepPlan:
     meta: AttentionMetadata
     sample_rows: list[int]
     lora: LoRABatch | None = None  # the tokens of each adapter, when LoRA is on
+    prompt_rows: list[int] = dataclasses.field(default_factory=list)  # rows scoring prompt tokens
+
+    @property
+    def logit_rows(self) -> list[int]:
+        return self.sample_rows + self.prompt_rows
 
 
 class ModelRunner:
@@ -145,11 +151,14 @@ class ModelRunner:
                 target.index_copy_(2, dst.to(target.device), blocks)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
+    def execute(self, scheduled: list[tuple[Request, int]]
+                ) -> tuple[torch.Tensor, list[Request], list[PromptScores]]:
         """Run one step. Returns logits [num_sampled, vocab] and the requests they belong to: one
-        row each, or 1 + len(request.spec_token_ids) consecutive rows for a request with drafts."""
+        row each, or 1 + len(request.spec_token_ids) consecutive rows for a request with drafts;
+        and the prompt tokens this step scored for requests asking prompt logprobs."""
         self._check_workers()
         plans, sample_requests = [], []
+        prompt_spans: list[tuple[Request, range]] = []
         for batch in micro_batches(scheduled, self.parallel.pp_size):
             decodes = [(r, n) for r, n in batch if n == 1 and r.num_computed_tokens > 0]
             prefills = [(r, n) for r, n in batch if not (n == 1 and r.num_computed_tokens > 0)]
@@ -160,20 +169,38 @@ class ModelRunner:
             # Only a request whose step reaches its last known token samples the next one; one with
             # speculative drafts also gets a row for each of them, to verify it.
             rows: list[int] = []
+            prompt_rows: list[int] = []
             offset = 0
             for request, n in decodes + prefills:
+                to_score = prompt_logprobs.positions_to_score(request, request.num_computed_tokens, n)
+                if to_score:
+                    first = offset + to_score.start - request.num_computed_tokens
+                    prompt_rows.extend(range(first, first + len(to_score)))
+                    prompt_spans.append((request, to_score))
                 offset += n
                 num_drafts = len(request.spec_token_ids)
                 if request.num_computed_tokens + n == request.num_tokens + num_drafts:
                     rows.extend(range(offset - 1 - num_drafts, offset))
                     sample_requests.append(request)
-            plans.append(StepPlan(input_ids, positions, meta, rows, lora_batch))
+            plans.append(StepPlan(input_ids, positions, meta, rows, lora_batch, prompt_rows))
         if self.parallel.world_size > 1:
             parallel_state.broadcast_plan(("step", plans), self.parallel)
         logits = self._run(plans)
+        scores = []
+        if prompt_spans:  # each plan's rows are its sampled rows, then its prompt rows
+            sampled: list[int] = []
+            scored: list[int] = []
+            offset = 0
+            for plan in plans:
+                sampled.extend(range(offset, offset + len(plan.sample_rows)))
+                offset += len(plan.sample_rows)
+                scored.extend(range(offset, offset + len(plan.prompt_rows)))
+                offset += len(plan.prompt_rows)
+            scores = prompt_logprobs.score(logits[scored], prompt_spans)
+            logits = logits[sampled]
         if not sample_requests:
-            return torch.empty(0, self.args.vocab_size), []
-        return logits.cpu(), sample_requests
+            return torch.empty(0, self.args.vocab_size), [], scores
+        return logits.cpu(), sample_requests, scores
 
     def _lora_layout(self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]):
         """Load the step's adapters into slots and order the decodes, then the prefills, by slot,
@@ -201,7 +228,7 @@ class ModelRunner:
                 residual = torch.empty(shape, dtype=self.dtype, device=self.device)
                 dist.recv(hidden, parallel.stage_rank(parallel.stage - 1))
                 dist.recv(residual, parallel.stage_rank(parallel.stage - 1))
-            rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=self.device)
+            rows = torch.tensor(plan.logit_rows, dtype=torch.int64, device=self.device)
             graph_ready = (self.cuda_graphs is not None and not plan.meta.prefills
                            and self.cuda_graphs.fits(plan.meta.num_decodes))
             if graph_ready:
@@ -214,7 +241,7 @@ class ModelRunner:
                     sends += [dist.isend(hidden.contiguous(), next_rank), dist.isend(residual.contiguous(), next_rank)]
                     continue
                 final = model.final_norm(hidden[rows], residual[rows])  # the norm is per row
-            if not plan.sample_rows:
+            if not plan.logit_rows:
                 continue
             out = model.compute_logits(final)  # on the stage's tensor rank 0 only
             if out is not None and parallel.rank != 0:
@@ -223,8 +250,8 @@ class ModelRunner:
                 logits.append(out)
         if parallel.rank == 0 and not parallel.is_last_stage:
             for plan in plans:
-                if plan.sample_rows:
-                    out = torch.empty(len(plan.sample_rows), self.args.vocab_size, dtype=torch.float32,
+                if plan.logit_rows:
+                    out = torch.empty(len(plan.logit_rows), self.args.vocab_size, dtype=torch.float32,
                                       device=self.device)
                     dist.recv(out, parallel.last_stage_leader)
                     logits.append(out)

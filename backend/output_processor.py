@@ -20,6 +20,7 @@ from backend.detokenizer import IncrementalDetokenizer
 from backend.errors import EngineError
 from backend.metrics import EngineMetrics
 from backend.outputs import CompletionOutput, Logprob, RequestOutput
+from backend.prompt_logprobs import PromptScores
 from backend.request import Request
 from backend.sampling_params import RequestOutputKind
 
@@ -47,6 +48,7 @@ class ParentRequest:
     output_kind: RequestOutputKind
     stream_interval: int = 1
     children: list[ChildState] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False  # a DELTA stream carries them once, in its first output
 
     @property
     def finished(self) -> bool:
@@ -104,6 +106,23 @@ class OutputProcessor:
                 if request.finish_reason is not None:
                     request.metrics.finished_time = time.time()
                     break  # accepted tokens after a stop are dropped
+
+    def append_prompt_logprobs(self, scores: list[PromptScores]) -> None:
+        """The prompt tokens a step scored, as Logprob dicts: the prompt's token with its rank,
+        then the top-N that differ from it (vLLM's shape)."""
+        for item in scores:
+            _, child = self.children[item.request.request_id]
+            prompt_ids, entries = item.request.prompt_token_ids, item.request.prompt_logprobs
+            decode = child.detokenizer.decode_token if child.detokenizer is not None else lambda _: None
+            for position, (logprob, rank, top) in enumerate(item.entries, start=item.first_token):
+                if position < len(entries):
+                    continue  # scored before a preemption: the same numbers
+                token_id = prompt_ids[position]
+                entry = {token_id: Logprob(logprob, rank, decode(token_id))}
+                for top_rank, (top_id, top_logprob) in enumerate(top, start=1):
+                    if top_id != token_id:
+                        entry[top_id] = Logprob(top_logprob, top_rank, decode(top_id))
+                entries.append(entry)
 
     def make_outputs(self, sampled: list[SampledTokens]) -> list[RequestOutput]:
         """One output per user request with news this step; finished requests are forgotten."""
@@ -195,8 +214,13 @@ def make_output(parent: ParentRequest, updated: set[int] | None) -> RequestOutpu
         children = parent.children
     outputs = [_completion(child, delta=kind == RequestOutputKind.DELTA) for child in children]
     first = parent.children[0].request
+    prompt_logprobs = first.prompt_logprobs
+    if kind == RequestOutputKind.DELTA and parent.sent_prompt_logprobs:
+        prompt_logprobs = None
+    parent.sent_prompt_logprobs |= prompt_logprobs is not None
     return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                         num_cached_tokens=first.num_cached_tokens, metrics=first.metrics)
+                         num_cached_tokens=first.num_cached_tokens, metrics=first.metrics,
+                         prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs))
 
 
 def _completion(child: ChildState, delta: bool) -> CompletionOutput:

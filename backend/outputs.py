@@ -14,6 +14,8 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first, then token id -> Logprob (the prompt's token plus the top-N).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -49,3 +51,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = field(default=None)  # set when the engine failed the request
+    # With SamplingParams.prompt_logprobs (in a DELTA stream, only the first output carries them).
+    prompt_logprobs: PromptLogprobs | None = None

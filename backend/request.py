@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from backend.lora import LoRARequest
-from backend.outputs import RequestMetrics, SampleLogprobs
+from backend.outputs import PromptLogprobs, RequestMetrics, SampleLogprobs
 from backend.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -55,6 +55,10 @@ class Request:
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
+        # Prompt logprobs, one entry per prompt token (None for the first, which nothing predicts).
+        # Only the first sample computes them: its siblings share the prompt (and its output).
+        self.prompt_logprobs: PromptLogprobs | None = (
+            [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -69,6 +73,12 @@ class Request:
         if self.lora_request is None:
             return self.cache_salt
         return (self.cache_salt, self.lora_request.lora_int_id)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to compute: such a request reads nothing from the prefix cache
+        (a cached block's keys and values are there, its logits are not), as in vLLM."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -92,6 +92,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob, and the top-N at its position
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -124,7 +125,7 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        integers = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed", "stream_interval",
+        integers = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed", "stream_interval",
                     "truncate_prompt_tokens")
         for name in integers:
             value = getattr(self, name)
@@ -154,6 +155,8 @@ class SamplingParams:
         bound(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               "min_tokens", f"must be at most max_tokens ({self.max_tokens})")
         bound(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        bound(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+              "must be in [0, 20]")
         bound(self.stream_interval is None or self.stream_interval >= 1, "stream_interval", "must be at least 1")
         bound(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids or []),
               "stop_token_ids", "must be non-negative integers")

@@ -128,7 +128,9 @@ class Scheduler:
                 index += 1  # still compiling: not its turn yet, and not passed over either
                 continue
             swapped = request.status == RequestStatus.SWAPPED
-            cached_blocks = [] if swapped else self.kv_cache.find_cached_prefix(request)
+            # (No cache hits for a request still scoring its prompt: cached blocks have no logits.)
+            reads_cache = not swapped and not request.needs_prompt_logprobs
+            cached_blocks = self.kv_cache.find_cached_prefix(request) if reads_cache else []
             num_new = (request.num_tokens - request.num_computed_tokens
                        - len(cached_blocks) * self.kv_cache.block_size)
             fits_budget = num_new <= budget or self.enable_chunked_prefill

@@ -116,7 +116,7 @@ class DraftModelProposer:
             work.append((request, shadow, k))
         for i in range(max((k for _, _, k in work), default=0)):
             shadows = [shadow for _, shadow, k in work if k > i]
-            logits, sampled = self.runner.execute([(s, s.num_tokens - s.num_computed_tokens) for s in shadows])
+            logits, sampled, _ = self.runner.execute([(s, s.num_tokens - s.num_computed_tokens) for s in shadows])
             for shadow, token in zip(sampled, logits.argmax(dim=-1).tolist()):
                 shadow.num_computed_tokens = shadow.num_tokens
                 shadow.all_token_ids.append(token)

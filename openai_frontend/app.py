@@ -24,7 +24,7 @@ from openai_frontend.generation import CLIENT_GONE, ClientDisconnected
 from openai_frontend.metrics import FrontendMetrics, MetricsMiddleware
 from openai_frontend.prompts import PromptBuilder
 from openai_frontend.replicas import DNS_PREFIX, ROUTING, Replicas
-from openai_frontend.routers import chat, completions, embeddings, lora, models, responses, system
+from openai_frontend.routers import chat, completions, embeddings, lora, models, responses, system, tokenize
 
 EMBEDDINGS_MODEL_NAME = "all-MiniLM-L6-v2"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's opt-in, honoured as is
@@ -215,7 +215,7 @@ def build_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="tritonllm OpenAI-compatible API", version=system.package_version(), lifespan=lifespan)
     app.state.frontend = frontend
-    for router in (models, completions, chat, responses, embeddings, system):
+    for router in (models, completions, chat, responses, embeddings, system, tokenize):
         app.include_router(router.router)
     if settings.allow_runtime_lora_updating:  # never without an API key (Settings.resolved)
         app.include_router(lora.router)

@@ -81,7 +81,8 @@ class SamplingRequest(Request):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, description="null: all the room left in the context")
+    max_tokens: int | None = Field(16, ge=0, description="null: all the room left in the context; 0 only "
+                                                         "with echo (the prompt and its logprobs alone)")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's bound for completions
     best_of: int | None = Field(None, ge=1, le=128, description="samples to draw per prompt; the n with the "
@@ -183,8 +184,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None (and top_logprobs None) for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -58,24 +58,36 @@ def beam_search_options(body: CompletionRequest) -> dict:
 
 
 def completion_logprobs(entries: list[list[TokenLogprob]], offset: int) -> CompletionLogprobs:
-    """OpenAI's legacy shape: the sampled tokens, their logprobs, the top-N per position."""
+    """OpenAI's legacy shape: the sampled (or echoed prompt) tokens, their logprobs, the top-N per
+    position; an echoed prompt's first token has no logprob (None, as in vLLM)."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for position in entries:
         sampled = position[0]
         tokens.append(sampled.token)
-        token_logprobs.append(logprob_value(sampled.logprob))
-        top_logprobs.append({entry.token: logprob_value(entry.logprob) for entry in position})
+        unscored = sampled.logprob is None
+        token_logprobs.append(None if unscored else logprob_value(sampled.logprob))
+        top_logprobs.append(None if unscored else {entry.token: logprob_value(entry.logprob) for entry in position})
         text_offset.append(offset)
         offset += len(sampled.token)
     return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs,
                               text_offset=text_offset)
 
 
+def echoed_logprobs(prompt_ids: list[int], prompt_logprobs: list | None, decode) -> list[list[TokenLogprob]]:
+    """The prompt's positions as completion logprob entries: the first token unscored, then each
+    prompt token (first) with the top-N at its position, from the engine's prompt logprobs."""
+    first = [TokenLogprob(prompt_ids[0], decode([prompt_ids[0]]), None, None)]
+    return [first] + list((prompt_logprobs or [None])[1:])
+
+
 async def serve_completion(frontend, body: CompletionRequest, raw_request: Request):
     adapter = frontend.check_llm_model(body.model)  # {} or the LoRA adapter's sampling parameters
     include_usage = check_stream_options(body)
-    if body.echo and body.logprobs is not None:
-        raise invalid("echo", "echo: prompt logprobs are not supported; drop echo or logprobs")
+    if body.max_tokens == 0 and not body.echo:
+        raise invalid("max_tokens", "max_tokens: must be at least 1 (0 only with echo: the prompt alone)")
+    # echo with max_tokens 0 (lm-evaluation-harness' loglikelihood): the engine makes one token,
+    # which nobody sees; the prompt and its logprobs are the answer (as in vLLM).
+    echo_only = body.echo and body.max_tokens == 0
     beam = beam_search_options(body)
     items = split_prompts(body.prompt)
     samples = body.best_of if body.best_of is not None else body.n
@@ -85,16 +97,31 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
     if not prompts or not all(prompts):
         raise invalid("prompt", "prompt: must not be empty")
     structured = structured_outputs(body)
+    echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     parameters = [sampling_parameters(body, logprobs=body.logprobs, vocab_size=frontend.prompts.vocab_size,
-                                      max_tokens=frontend.prompts.max_tokens_for(len(ids), body.max_tokens, "prompt"),
+                                      max_tokens=frontend.prompts.max_tokens_for(
+                                          len(ids), 1 if echo_only else body.max_tokens, "prompt"),
                                       structured=structured, n=samples) | adapter
+                  | ({"prompt_logprobs": echo_logprobs} if echo_logprobs is not None else {})
                   for ids in prompts]
     if beam:
         samples, parameters = body.n, [{**values, "n": body.n} | beam for values in parameters]
     echoes = [p if isinstance(p, str) else frontend.prompts.decode(p) for p in items] if body.echo else None
+    prompt_logprobs: list = [None] * len(prompts)  # per prompt, from its first response (echo with logprobs)
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     choices = Choices(len(prompts), samples, frontend.settings.enable_prompt_tokens_details)
     log_request(frontend, response_id, prompts, parameters)
+
+    def echo_entries(prompt_index: int) -> list[list[TokenLogprob]]:
+        return echoed_logprobs(prompts[prompt_index], prompt_logprobs[prompt_index], frontend.prompts.decode)
+
+    def fold(prompt_index: int, chunk) -> list:
+        if chunk.prompt_logprobs is not None:
+            prompt_logprobs[prompt_index] = chunk.prompt_logprobs
+        if echo_only:  # the one token made is not part of the answer
+            for sample in chunk.samples:
+                sample.text, sample.num_tokens, sample.logprobs = "", 0, None
+        return choices.update(prompt_index, chunk)
 
     if body.stream:
         first, rest = await unless_disconnected(raw_request, start(frontend.triton, prompts, parameters, stream=True,
@@ -103,11 +130,18 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
 
         async def events():
             offsets = [0] * len(choices.choices)
-            if echoes:
-                for index in range(len(choices.choices)):
-                    yield chunk_event(index, echoes[index // body.n], None, None)
+            echoed: set[int] = set()
             async for prompt_index, chunk in replay(first, rest):
-                for index, delta in choices.update(prompt_index, chunk):
+                news = fold(prompt_index, chunk)
+                if echoes and prompt_index not in echoed:  # the prompt first, with its logprobs
+                    echoed.add(prompt_index)
+                    for index in range(prompt_index * body.n, (prompt_index + 1) * body.n):
+                        logprobs = None
+                        if body.logprobs is not None:
+                            logprobs = completion_logprobs(echo_entries(prompt_index), 0).model_dump()
+                        offsets[index] = len(echoes[prompt_index])
+                        yield chunk_event(index, echoes[prompt_index], logprobs, None)
+                for index, delta in news:
                     logprobs = None
                     if body.logprobs is not None:
                         logprobs = completion_logprobs(delta.logprobs or [], offsets[index]).model_dump()
@@ -128,16 +162,21 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
         first, rest = await start(frontend.triton, prompts, parameters, stream=False, prompt_param="prompt",
                                   structured_param=structured[1])
         async for prompt_index, chunk in replay(first, rest):
-            choices.update(prompt_index, chunk)
+            fold(prompt_index, chunk)
 
     await unless_disconnected(raw_request, collect())
     if not beam:  # beams come back n best, in order
         choices.keep_best(body.n)
     log_completion(frontend, response_id, choices)
+
+    def logprobs_of(index: int, choice) -> CompletionLogprobs | None:
+        if body.logprobs is None:
+            return None
+        return completion_logprobs((echo_entries(index // body.n) if echoes else []) + choice.logprobs, 0)
+
     return CompletionResponse(
         id=response_id, created=created, model=body.model, usage=choices.usage(),
         choices=[CompletionChoice(
             index=index, text=(echoes[index // body.n] if echoes else "") + choice.text,
-            finish_reason=choice.finish_reason,
-            logprobs=completion_logprobs(choice.logprobs, 0) if body.logprobs is not None else None)
+            finish_reason=choice.finish_reason, logprobs=logprobs_of(index, choice))
             for index, choice in enumerate(choices.choices)])

@@ -60,7 +60,7 @@ class RequestTimeout(OpenAIError):
 class TokenLogprob:
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token (nothing predicts it)
     rank: int | None
 
 
@@ -81,6 +81,9 @@ class Chunk:
     prompt_tokens: int
     samples: list[SampleDelta]
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With prompt_logprobs, in the first chunk: per prompt token (None for the first), the prompt's
+    # token first, then the top alternatives.
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
 
 
 def _tensor(name: str, value: np.ndarray, datatype: str) -> InferInput:
@@ -97,11 +100,12 @@ def _parse_logprobs(raw: bytes) -> list[list[TokenLogprob]] | None:
     positions = json.loads(raw)
     if positions is None:
         return None
-    return [[TokenLogprob(int(token_id), entry.get("decoded_token") or "", entry["logprob"], entry.get("rank"))
+    return [None if position is None else  # (a prompt's first token)
+            [TokenLogprob(int(token_id), entry.get("decoded_token") or "", entry["logprob"], entry.get("rank"))
              for token_id, entry in position.items()] for position in positions]
 
 
-def _chunk(result, want_logprobs: bool) -> Chunk:
+def _chunk(result, want_logprobs: bool, want_prompt_logprobs: bool = False) -> Chunk:
     texts = result.as_numpy("text_output")
     finish_reasons = result.as_numpy("finish_reason")
     counts = result.as_numpy("num_output_tokens")
@@ -117,8 +121,10 @@ def _chunk(result, want_logprobs: bool) -> Chunk:
             cumulative_logprob=float(cumulative[i]) if cumulative is not None else None))
     prompt_tokens = result.as_numpy("num_input_tokens")
     cached = result.as_numpy("num_cached_tokens")
+    prompt_logprobs = result.as_numpy("prompt_logprobs") if want_prompt_logprobs else None
     return Chunk(int(prompt_tokens[0]) if prompt_tokens is not None else 0, samples,
-                 int(cached[0]) if cached is not None else 0)
+                 int(cached[0]) if cached is not None else 0,
+                 _parse_logprobs(prompt_logprobs[0]) if prompt_logprobs is not None else None)
 
 
 async def _drain(responses) -> None:
@@ -186,11 +192,12 @@ class TritonClient:
         deadline, so Triton cancels the request too). Leaving the iteration early cancels it.
         """
         want_logprobs = sampling_parameters.get("logprobs") is not None
+        want_prompt_logprobs = sampling_parameters.get("prompt_logprobs") is not None
         inputs = [_tensor("input_ids", np.array(prompt_token_ids, dtype=np.int32), "INT32"),
                   _tensor("sampling_parameters", np.array([json.dumps(sampling_parameters).encode()],
                                                            dtype=np.object_), "BYTES"),
                   _bool("stream", stream), _bool("exclude_input_in_output", True),
-                  _bool("return_logprobs", want_logprobs)]
+                  _bool("return_logprobs", want_logprobs), _bool("return_prompt_logprobs", want_prompt_logprobs)]
         inputs += [_bool(flag, True) for flag in RETURN_FLAGS]
         if sampling_parameters.get("n", 1) > 1:  # for best_of: the n best samples by cumulative logprob
             inputs.append(_bool("return_cumulative_logprob", True))
@@ -212,7 +219,7 @@ class TritonClient:
                 response = result.get_response()
                 final = response.parameters["triton_final_response"].bool_param
                 if response.outputs:  # the empty final response carries nothing
-                    yield _chunk(result, want_logprobs)
+                    yield _chunk(result, want_logprobs, want_prompt_logprobs)
                 if final:
                     completed = True
                     await _drain(responses)

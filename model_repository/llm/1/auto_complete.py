@@ -5,7 +5,8 @@ vLLM backend's contract, the same as model_repository/llm/config.pbtxt spells ou
 from __future__ import annotations
 
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
-         "return_logprobs", "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens")
+         "return_logprobs", "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens",
+         "return_prompt_logprobs")
 INPUTS = [
     {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     {"name": "input_ids", "data_type": "TYPE_INT32", "dims": [-1], "optional": True},
@@ -20,6 +21,7 @@ OUTPUTS = [
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
     {"name": "num_cached_tokens", "data_type": "TYPE_UINT32", "dims": [1]},  # tritonllm's: prefix-cache hits
+    {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [1]},  # tritonllm's: JSON, docs/triton.md
 ]
 
 

@@ -156,6 +156,8 @@ class TritonPythonModel:
             job.logprobs_asked = params.logprobs is not None
             if job.flags["return_cumulative_logprob"] and params.logprobs is None:
                 params.logprobs = 0  # the engine sums logprobs only when it computes them
+            if job.flags["return_prompt_logprobs"] and params.prompt_logprobs is None:
+                params.prompt_logprobs = 0  # the prompt tokens' own logprobs, no top-N
             job.finish_reasons = [None] * job.n
             job.cumulative_logprobs = [0.0] * job.n
             if job.flags["beam"] is not None:
@@ -344,6 +346,12 @@ class TritonPythonModel:
             tensors.append(pb_utils.Tensor("num_output_tokens", np.array(num_output_tokens, np.uint32)))
         if job.flags["return_num_cached_tokens"]:  # prompt tokens served from the prefix cache
             tensors.append(pb_utils.Tensor("num_cached_tokens", np.array([output.num_cached_tokens], np.uint32)))
+        if job.flags["return_prompt_logprobs"]:  # JSON in the first response, "null" in later ones
+            tensors.append(string_tensor("prompt_logprobs", [json.dumps(
+                None if output.prompt_logprobs is None else
+                [None if position is None else
+                 {token_id: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                  for token_id, lp in position.items()} for position in output.prompt_logprobs])]))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     # -- health and metrics --------------------------------------------------------------------

@@ -15,7 +15,7 @@ from backend.sampling_params import parse_json
 
 FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason",
                "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
-               "return_num_output_tokens", "return_num_cached_tokens")
+               "return_num_output_tokens", "return_num_cached_tokens", "return_prompt_logprobs")
 
 
 def parse_request(request, defaults: dict | None = None) -> tuple[str | list[int], SamplingParams, dict, str | None,
