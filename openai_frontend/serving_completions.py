@@ -44,14 +44,15 @@ def check_request_size(num_prompts: int, n: int, best_of: int | None, stream: bo
                            f"got {samples}")
 
 
-def completion_logprobs(entries: list[list[TokenLogprob]], offset: int) -> CompletionLogprobs:
-    """OpenAI's legacy shape: the sampled tokens, their logprobs, the top-N per position."""
+def completion_logprobs(entries: list[list[TokenLogprob]], offset: int, top: int) -> CompletionLogprobs:
+    """OpenAI's legacy shape: the sampled tokens, their logprobs, the top-N per position (none for
+    `logprobs: 0`, which asks for the sampled tokens' logprobs alone)."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for position in entries:
         sampled = position[0]
         tokens.append(sampled.token)
         token_logprobs.append(logprob_value(sampled.logprob))
-        top_logprobs.append({entry.token: logprob_value(entry.logprob) for entry in position})
+        top_logprobs.append({entry.token: logprob_value(entry.logprob) for entry in position} if top else {})
         text_offset.append(offset)
         offset += len(sampled.token)
     return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs,
@@ -70,6 +71,7 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
                for p in items]
     if not prompts or not all(prompts):
         raise invalid("prompt", "prompt: must not be empty")
+    prompts = [frontend.prompts.truncate(ids, body.truncate_prompt_tokens) for ids in prompts]
     structured = structured_outputs(body)
     parameters = [sampling_parameters(body, logprobs=body.logprobs, vocab_size=frontend.prompts.vocab_size,
                                       max_tokens=frontend.prompts.max_tokens_for(len(ids), body.max_tokens, "prompt"),
@@ -94,7 +96,7 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
                 for index, delta in choices.update(prompt_index, chunk):
                     logprobs = None
                     if body.logprobs is not None:
-                        logprobs = completion_logprobs(delta.logprobs or [], offsets[index]).model_dump()
+                        logprobs = completion_logprobs(delta.logprobs or [], offsets[index], body.logprobs).model_dump()
                         offsets[index] += len(delta.text)
                     yield chunk_event(index, delta.text, logprobs, delta.finish_reason)
             if include_usage:
@@ -122,5 +124,5 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
         choices=[CompletionChoice(
             index=index, text=(echoes[index // body.n] if echoes else "") + choice.text,
             finish_reason=choice.finish_reason,
-            logprobs=completion_logprobs(choice.logprobs, 0) if body.logprobs is not None else None)
+            logprobs=completion_logprobs(choice.logprobs, 0, body.logprobs) if body.logprobs is not None else None)
             for index, choice in enumerate(choices.choices)])
