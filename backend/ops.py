@@ -136,12 +136,20 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, batch,
-             slot_weights: list | None = None) -> None:
+             lora_bt: torch.Tensor | None = None) -> None:
     """out += each token's LoRA delta, in place: x [T, in], lora_a [slots, R, in], lora_b [slots, out, R],
-    batch a backend.lora.layers.LoRABatch (segments of tokens sharing a slot); slot_weights: the CPU
-    path's per-slot views (see add_lora_reference)."""
+    batch a backend.lora.layers.LoRABatch (segments of tokens sharing a slot); lora_bt: B transposed
+    ([slots, R, out]), which the CPU path stacks (see backend/lora/layers.py)."""
     if _use_triton(x):
         from backend.kernels.lora import add_lora as kernel
         kernel(out, x, lora_a, lora_b, batch.starts, batch.lengths, batch.slots, batch.max_length)
         return
-    reference.add_lora_reference(out, x, lora_a, lora_b, batch, slot_weights)
+    if lora_bt is None:
+        reference.add_lora_reference(out, x, lora_a, lora_b, batch)
+        return
+    first, end = batch.span
+    low, high = batch.slot_range
+    ranks = lora_a.shape[1]
+    shrunk = x[first:end] @ lora_a[low:high].view(-1, lora_a.shape[2]).T
+    shrunk.mul_(batch.mask(ranks, shrunk.dtype, shrunk.device))
+    out[first:end].addmm_(shrunk, lora_bt[low:high].view(-1, lora_bt.shape[2]))

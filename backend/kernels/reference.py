@@ -178,15 +178,9 @@ def quant_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch
 
 
 def add_lora_reference(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                       batch, slot_weights: list | None = None) -> None:
+                       batch) -> None:
     """out[t] += B[slot] @ (A[slot] @ x[t]) for every token of every segment of `batch` (a
-    backend.lora.layers.LoRABatch); the CPU path (a loop
-    over the step's few segments, none over tokens) and the Triton kernel's reference.
-    slot_weights: per slot, (A^T, B^T) cut to the ranks in use, or None where the slot's adapter
-    leaves this layer alone (LoRALinear keeps them, sparing a few ops and the zero padding)."""
-    if slot_weights is None:
-        slot_weights = [(a.T, b.T) for a, b in zip(lora_a, lora_b)]
+    backend.lora.layers.LoRABatch): a loop over the step's few segments, none over tokens; the
+    Triton kernel's reference."""
     for start, end, slot in batch.segments:
-        weights = slot_weights[slot]
-        if weights is not None:
-            out[start:end].addmm_(x[start:end] @ weights[0], weights[1])
+        out[start:end].addmm_(x[start:end] @ lora_a[slot].T, lora_b[slot].T)

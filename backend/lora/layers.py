@@ -10,13 +10,21 @@ checkpoint does; `model.FUSED` maps q/k/v (gate/up) to slices of the fused outpu
 A wrapped layer holds, per slot, A as [slices * max_lora_rank, in] and B as [out, slices * max_lora_rank]:
 each slice of a fused output takes its own block of rank columns (B is block-diagonal), packed from
 column 0, the rest zero; the scaling is folded into B. So one shrink and one expand per adapter serve
-q, k and v at once, and the CPU path multiplies by the columns in use only.
+q, k and v at once.
+
+The CPU path serves every adapter of a step in one shrink and one expand per layer: the slots the
+step uses are adjacent rows of `lora_a` (a view: [slots * ranks, in]), so x @ that^T gives each token
+every slot's shrink; a 0/1 mask keeps each token's own slot's columns, and one addmm with B^T
+stacked the same way ([slots * ranks, out], kept beside B) adds the deltas. The extra columns cost
+(slots - 1) x a rank-r product per token, far less than the base projection; what it saves is the
+two small GEMMs per adapter per layer, whose fixed cost dominates on a CPU (the bench_lora figures
+in docs/lora.md).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -42,6 +50,31 @@ class LoRABatch:
     lengths: torch.Tensor
     slots: torch.Tensor
     max_length: int
+    _masks: dict = field(default_factory=dict)
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The tokens from the first adapter token to the last (those of no adapter between them
+        get a zero mask row)."""
+        return self.segments[0][0], max(end for _, end, _ in self.segments)
+
+    @property
+    def slot_range(self) -> tuple[int, int]:
+        slots = [slot for _, _, slot in self.segments]
+        return min(slots), max(slots) + 1
+
+    def mask(self, ranks: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[span tokens, slots in range * ranks]: 1 where a column belongs to the token's own slot.
+        Built once per step for each (ranks, dtype) and shared by the layers."""
+        key = (ranks, dtype)
+        if key not in self._masks:
+            first, end = self.span
+            low, high = self.slot_range
+            mask = torch.zeros(end - first, (high - low) * ranks, dtype=dtype)
+            for start, stop, slot in self.segments:
+                mask[start - first:stop - first, (slot - low) * ranks:(slot - low + 1) * ranks] = 1
+            self._masks[key] = mask.to(device)
+        return self._masks[key]
 
     @classmethod
     def build(cls, rows: list[tuple[int, int]], device: torch.device) -> "LoRABatch | None":
@@ -91,22 +124,24 @@ class LoRALinear(nn.Module):
                                                    device=weight.device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, ranks, dtype=dtype,
                                                    device=weight.device), persistent=False)
-        # Per slot: the ranks in use (slices' blocks packed from column 0), and the CPU path's views.
-        self.ranks_used = [0] * max_loras
-        self.slot_weights: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * max_loras
+        # The CPU path's copy of B, transposed: [slots, ranks, out], so adjacent slots stack.
+        self.lora_bt = (torch.zeros(max_loras, ranks, self.out_features, dtype=dtype)
+                        if weight.device.type == "cpu" else None)
+        self.ranks_used = [0] * max_loras  # per slot: the rank columns filled (slices packed from 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         batch = self.context.batch
         if batch is not None:
-            ops.add_lora(out, x, self.lora_a, self.lora_b, batch, self.slot_weights)
+            ops.add_lora(out, x, self.lora_a, self.lora_b, batch, self.lora_bt)
         return out
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        if self.lora_bt is not None:
+            self.lora_bt[slot].zero_()
         self.ranks_used[slot] = 0
-        self.slot_weights[slot] = None
 
     def set_slice(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         """Slice `index` of the output gets A [r, in] and B * scaling [slice out, r], in the next r
@@ -115,8 +150,9 @@ class LoRALinear(nn.Module):
         offset = sum(self.output_sizes[:index])
         self.lora_a[slot, start:start + rank].copy_(a)
         self.lora_b[slot, offset:offset + self.output_sizes[index], start:start + rank].copy_(b.float() * scaling)
-        used = self.ranks_used[slot] = start + rank
-        self.slot_weights[slot] = (self.lora_a[slot, :used].T, self.lora_b[slot, :, :used].T)
+        self.ranks_used[slot] = start + rank
+        if self.lora_bt is not None:
+            self.lora_bt[slot].copy_(self.lora_b[slot].T)
 
 
 def output_sizes(parent: nn.Module, name: str, module: nn.Module, fused: dict) -> list[int]:
