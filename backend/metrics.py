@@ -44,7 +44,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 def buckets_1_2_5(limit: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's build_1_2_5_buckets)."""
-    bounds, power = [], 1
+    bounds: list[int] = []
+    power = 1
     while True:
         for mantissa in (1, 2, 5):
             if mantissa * power > limit:
