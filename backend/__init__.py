@@ -3,6 +3,7 @@
 from backend.config import EngineConfig
 from backend.lora import LoRARequest
 from backend.outputs import CompletionOutput, Logprob, RequestOutput
+from backend.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from backend.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -20,5 +21,6 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineConfig", "LoRARequest", "SamplingParams",
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineConfig", "LoRARequest", "SamplingParams", "BeamSearchParams",
+           "BeamSearchOutput", "BeamSearchSequence",
            "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]

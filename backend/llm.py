@@ -1,10 +1,11 @@
-"""LLM: the offline API, shaped like vLLM's (`generate`, `chat`, `get_metrics`)."""
+"""LLM: the offline API, shaped like vLLM's (`generate`, `chat`, `beam_search`, `get_metrics`)."""
 
 from __future__ import annotations
 
 import itertools
 from typing import Any, Sequence
 
+from backend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates_of, check_fits, step_params
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.errors import EngineError
@@ -76,6 +77,35 @@ class LLM:
         for output, prompt in zip(outputs, prompts):
             output.prompt = prompt
         return outputs
+
+    def beam_search(self, prompts: Prompt | dict | Sequence[Prompt | dict], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: each prompt's `beam_width` best hypotheses, best first, scored as
+        transformers' `generate(num_beams=...)` scores them (backend/beam_search.py). All prompts'
+        beams run in the same engine steps, one one-token request per beam per step."""
+        one = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        items: list = [prompts] if one else list(prompts)
+        engine = self.llm_engine
+        searches = []
+        for item in items:
+            # vLLM's TextPrompt / TokensPrompt dicts, or a text, or token ids
+            prompt: Prompt = item.get("prompt_token_ids", item.get("prompt")) if isinstance(item, dict) else item
+            _, prompt_ids = engine.tokenize(prompt)
+            check_fits(len(prompt_ids), params, engine.max_model_len)
+            searches.append(BeamSearch(prompt_ids, params, engine.eos_token_ids))
+        while not all(search.done for search in searches):
+            order: dict[str, int] = {}
+            for search in searches:
+                if not search.done:
+                    for tokens in search.inputs():
+                        request_id = f"beam-{next(self._request_counter)}"
+                        order[request_id] = len(order)
+                        engine.add_request(request_id, tokens, step_params(search), lora_request=lora_request)
+            outputs = iter(self._run(order, use_tqdm=False))
+            for search in searches:
+                if not search.done:
+                    search.advance([candidates_of(next(outputs)) for _ in search.running])
+        return [search.output(engine.tokenizer, lora_request) for search in searches]
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)

@@ -135,21 +135,25 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     return reference.quant_matmul_reference(x, qweight, scales, zeros, bits, bias)
 
 
-def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, batch,
-             lora_bt: torch.Tensor | None = None) -> None:
+def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, batch) -> None:
     """out += each token's LoRA delta, in place: x [T, in], lora_a [slots, R, in], lora_b [slots, out, R],
-    batch a backend.lora.layers.LoRABatch (segments of tokens sharing a slot); lora_bt: B transposed
-    ([slots, R, out]), which the CPU path stacks (see backend/lora/layers.py)."""
+    batch a backend.lora.layers.LoRABatch (segments of tokens sharing a slot)."""
     if _use_triton(x):
         from backend.kernels.lora import add_lora as kernel
         kernel(out, x, lora_a, lora_b, batch.starts, batch.lengths, batch.slots, batch.max_length)
         return
-    if lora_bt is None:
-        reference.add_lora_reference(out, x, lora_a, lora_b, batch)
+    reference.add_lora_reference(out, x, lora_a, lora_b, batch)
+
+
+def add_lora_cpu(out: torch.Tensor, x: torch.Tensor, lora_at: torch.Tensor, lora_bt: torch.Tensor, layout) -> None:
+    """The CPU path of add_lora (see backend/lora/layers.py): lora_at [slots, in, R] and lora_bt
+    [slots, R, out] in x's dtype, layout a backend.lora.layers.CPULayout."""
+    num, length = layout.num, layout.length
+    at, bt = lora_at[layout.slots], lora_bt[layout.slots]
+    if layout.gather is None:
+        rows = slice(layout.first, layout.first + num * length)
+        shrunk = torch.bmm(x[rows].view(num, length, -1), at)
+        out[rows].view(num, length, -1).baddbmm_(shrunk, bt)
         return
-    first, end = batch.span
-    low, high = batch.slot_range
-    ranks = lora_a.shape[1]
-    shrunk = x[first:end] @ lora_a[low:high].view(-1, lora_a.shape[2]).T
-    shrunk.mul_(batch.mask(ranks, shrunk.dtype, shrunk.device))
-    out[first:end].addmm_(shrunk, lora_bt[low:high].view(-1, lora_bt.shape[2]))
+    delta = torch.bmm(torch.bmm(x.index_select(0, layout.gather).view(num, length, -1), at), bt)
+    out.index_add_(0, layout.tokens, delta.view(num * length, -1).index_select(0, layout.valid))

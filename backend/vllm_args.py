@@ -216,7 +216,8 @@ VLLM_ENGINE_ARGS: dict[str, VllmArg] = {
     "worker_extension_cls": default_only(NO_REMOTE_CODE),
     "logits_processor_pattern": default_only(NO_REMOTE_CODE),
     "logits_processors": default_only(NO_REMOTE_CODE),
-    "reasoning_parser": default_only("reasoning is not split from the output here"),
+    "reasoning_parser": default_only("reasoning is split from the output by the OpenAI frontend "
+                                      "(tritonllm serve --reasoning-parser), not by the model"),
 }
 
 # vLLM's EngineArgs / AsyncEngineArgs field names that are EngineConfig fields of the same name and

@@ -24,7 +24,7 @@ from openai_frontend.generation import CLIENT_GONE, ClientDisconnected
 from openai_frontend.metrics import FrontendMetrics, MetricsMiddleware
 from openai_frontend.prompts import PromptBuilder
 from openai_frontend.replicas import DNS_PREFIX, ROUTING, Replicas
-from openai_frontend.routers import chat, completions, embeddings, lora, models, system
+from openai_frontend.routers import chat, completions, embeddings, lora, models, responses, system
 
 EMBEDDINGS_MODEL_NAME = "all-MiniLM-L6-v2"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's opt-in, honoured as is
@@ -57,6 +57,8 @@ class Settings:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     chat_template: str | None = None  # a Jinja chat template, or a file holding one, instead of the model's
     tool_call_parser: str = "hermes"  # the model's tool-call format (openai_frontend/tool_parsers.py)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools): calls read from free text
+    reasoning_parser: str | None = None  # the model's thinking format (openai_frontend/reasoning_parsers.py)
     lora_modules: list[str] = field(default_factory=list)  # `name=path`: adapters served as model ids
     # vLLM's runtime /v1/load_lora_adapter and /v1/unload_lora_adapter (they load files: API key required)
     allow_runtime_lora_updating: bool = False
@@ -213,7 +215,7 @@ def build_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="tritonllm OpenAI-compatible API", version=system.package_version(), lifespan=lifespan)
     app.state.frontend = frontend
-    for router in (models, completions, chat, embeddings, system):
+    for router in (models, completions, chat, responses, embeddings, system):
         app.include_router(router.router)
     if settings.allow_runtime_lora_updating:  # never without an API key (Settings.resolved)
         app.include_router(lora.router)

@@ -21,6 +21,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from openai_frontend.app import Settings, build_app
 from openai_frontend.replicas import ROUTING
+from openai_frontend.reasoning_parsers import PARSERS as REASONING_PARSERS
 from openai_frontend.tool_parsers import PARSERS
 
 API_KEY_ENV = "TRITONLLM_API_KEY"
@@ -51,8 +52,12 @@ HELP = {
                     "serve them too: tritonllm serve --lora-modules passes them to both)",
     "allow_runtime_lora_updating": "add vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs "
                                    "--api-key; also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
-    "tool_call_parser": "how tool calls are written in the model's output: hermes (<tool_call>{...}</tool_call>) "
-                        "or json",
+    "tool_call_parser": "how tool calls are written in the model's output: hermes (<tool_call>{...}</tool_call>), "
+                        "json, llama3_json, mistral or pythonic",
+    "enable_auto_tool_choice": "tool_choice auto (the default when a request has tools): the model may call "
+                               "tools, read from its text by --tool-call-parser (vLLM's flag; without it, 400)",
+    "reasoning_parser": "how the model's thinking is written, to return it apart as `reasoning`: deepseek_r1 or "
+                        "qwen3 (<think>...</think>; default: none, thinking stays in content)",
     "request_timeout": "seconds a whole request may take, streams included, before it fails with 504 and "
                        "Triton cancels it (default: none; requests stuck on a dead or frozen Triton fail "
                        "anyway, see docs/openai.md)",
@@ -146,7 +151,8 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, str]:
         default = os.environ.get(API_KEY_ENV) if f.name == "api_key" else f.default
         help_text = HELP[f.name] if "default" in HELP[f.name] else f"{HELP[f.name]} (default: {f.default})"
         parser.add_argument(flag, type=kind, default=default, help=help_text,
-                            choices={"routing": ROUTING, "tool_call_parser": sorted(PARSERS)}.get(f.name))
+                            choices={"routing": ROUTING, "tool_call_parser": sorted(PARSERS),
+                                     "reasoning_parser": sorted(REASONING_PARSERS)}.get(f.name))
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     args = parser.parse_args(argv)
     return Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)}), args.log_level

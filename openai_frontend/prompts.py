@@ -70,10 +70,12 @@ class PromptBuilder:
         return "tools" in (self.tokenizer.chat_template or "")
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
-                    tools: list[dict] | None = None, tool_parser: ToolParser | None = None) -> tuple[str, list[int]]:
+                    tools: list[dict] | None = None, tool_parser: ToolParser | None = None,
+                    template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         """The chat template's text and its token ids (the template writes the special tokens).
         Tools go to a template that knows them; for one that does not, `tool_parser` writes them,
-        and earlier calls and results, into the messages."""
+        and earlier calls and results, into the messages. `template_kwargs`: more variables for the
+        template (vLLM's chat_template_kwargs, such as enable_thinking)."""
         if self.tokenizer.chat_template is None:
             raise invalid("messages", "this model has no chat template; use /v1/completions")
         extra = {}
@@ -81,6 +83,7 @@ class PromptBuilder:
             extra = {"tools": tools} if tools else {}
         elif tool_parser is not None:
             messages = inline_tools(messages, tools, tool_parser)
+        extra.update(template_kwargs or {})
         if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
             raise invalid("continue_final_message", "continue_final_message needs a final assistant "
                           "message and add_generation_prompt false")

@@ -88,6 +88,10 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's bound for completions
     best_of: int | None = Field(None, ge=1, le=128, description="samples to draw per prompt; the n with the "
                                                                 "highest cumulative logprob are returned")
+    # vLLM's beam search extras (non-streamed): the n best of best_of (or n) beams, best first
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 class ContentPart(Request):
@@ -112,6 +116,8 @@ class ChatMessage(Request):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: which call this answers
+    reasoning: str | None = None  # assistant messages: their thinking, given back (vLLM's field)
+    reasoning_content: str | None = None  # the same, by its older name
 
 
 class FunctionDefinition(Request):
@@ -146,6 +152,7 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None  # vLLM's: more variables for the chat template (enable_thinking)
 
 
 class EmbeddingRequest(Request):
@@ -227,6 +234,8 @@ class ToolCallOut(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning: str | None = None  # with --reasoning-parser: the thinking before the answer (vLLM's field)
+    reasoning_content: str | None = None  # the same, by its older name
     tool_calls: list[ToolCallOut] | None = None
 
 

@@ -1,11 +1,14 @@
 """POST /v1/chat/completions: messages (and tools) -> the model's chat template -> one Triton request,
-n samples -> assistant messages, with tool calls read out of them (openai_frontend/tool_parsers.py)."""
+n samples -> assistant messages: reasoning (openai_frontend/reasoning_parsers.py) apart, tool calls
+read out of the rest (openai_frontend/tool_calls.py). /v1/responses runs on the same road."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -15,11 +18,19 @@ from openai_frontend.errors import invalid
 from openai_frontend.generation import (Choices, check_stream_options, log_completion, log_request, logprob_value,
                                         replay, sampling_parameters, sse_stream, start, structured_outputs,
                                         unless_disconnected)
+from openai_frontend.reasoning_parsers import PARSERS as REASONING_PARSERS
+from openai_frontend.reasoning_parsers import ReasoningStream, ThinkParser
 from openai_frontend.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                      ChatLogprobs, ChatMessage, TokenLogprob, ToolCallOut, TopLogprob)
-from openai_frontend.tool_parsers import PARSERS, ToolPlan
+from openai_frontend.tool_calls import ToolCallStream, ToolPlan
+from openai_frontend.tool_parsers import PARSERS, Call
 from openai_frontend.triton import TokenLogprob as SampledLogprob
 
+AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+# Arguments of apply_chat_template the frontend sets itself: chat_template_kwargs may not override them.
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                "add_generation_prompt", "continue_final_message", "return_dict", "tokenizer_kwargs",
+                                "return_tensors", "padding", "truncation", "max_length"})
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -50,11 +61,13 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
                           f"messages[{i}].tool_call_id: required in a tool message (which call it answers)")
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
+        if (message.reasoning or message.reasoning_content) and message.role == "assistant":
+            entry["reasoning_content"] = message.reasoning or message.reasoning_content  # as Qwen3's template reads it
         rendered.append(entry)
     return rendered
 
 
-def tool_plan(body: ChatCompletionRequest, parser: str) -> ToolPlan:
+def tool_plan(frontend, body: ChatCompletionRequest) -> ToolPlan:
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
     choice: Any = body.tool_choice
     if choice not in (None, "none") and not tools:
@@ -63,7 +76,137 @@ def tool_plan(body: ChatCompletionRequest, parser: str) -> ToolPlan:
         if choice.function.name not in {tool["function"]["name"] for tool in tools}:
             raise invalid("tool_choice", f"tool_choice: no tool named {choice.function.name!r} in tools")
         choice = choice.model_dump()
-    return ToolPlan(tools, choice, PARSERS[parser](), body.parallel_tool_calls)
+    plan = ToolPlan(tools, choice, PARSERS[frontend.settings.tool_call_parser](), body.parallel_tool_calls)
+    if plan.mode == "auto" and not frontend.settings.enable_auto_tool_choice:
+        raise invalid("tool_choice", AUTO_NEEDS_FLAGS)  # vLLM's words: tools alone mean "auto" there too
+    return plan
+
+
+def template_kwargs(body: ChatCompletionRequest) -> dict:
+    kwargs = body.chat_template_kwargs or {}
+    clashing = sorted(TEMPLATE_ARGUMENTS & set(kwargs))
+    if clashing:
+        raise invalid("chat_template_kwargs", f"chat_template_kwargs: {', '.join(clashing)} cannot be set here")
+    return kwargs
+
+
+@dataclass
+class ChatJob:
+    """One chat request, ready for Triton: its prompt, sampling parameters and how its answers are read."""
+    body: ChatCompletionRequest
+    prompt_ids: list[int]
+    parameters: dict
+    plan: ToolPlan
+    reasoning: ThinkParser | None
+    structured_param: str | None
+    top_logprobs: int | None
+    include_usage: bool
+
+    def read(self, text: str) -> tuple[str | None, str, list[Call]]:
+        """A whole answer -> (reasoning, content, calls)."""
+        reasoning, text = self.reasoning.split(text) if self.reasoning else (None, text)
+        content, calls = self.plan.read(text)
+        return reasoning or None, content, calls
+
+    def answer_stream(self) -> "AnswerStream":
+        return AnswerStream(self.reasoning.stream() if self.reasoning else None, self.plan.stream())
+
+
+def prepare_chat(frontend, body: ChatCompletionRequest) -> ChatJob:
+    """Validate a chat request and turn it into a prompt and Triton's sampling parameters."""
+    adapter = frontend.check_llm_model(body.model)  # {} or the LoRA adapter's sampling parameters
+    include_usage = check_stream_options(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs", "top_logprobs: needs logprobs set to true")
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    plan = tool_plan(frontend, body)
+    structured = structured_outputs(body)
+    forced = plan.structured_outputs()
+    if forced is not None:
+        if structured[0] is not None:
+            raise invalid("tool_choice", f"tool_choice: {plan.mode} calls a tool; it cannot be combined "
+                                         f"with {structured[1]}")
+        structured = (forced, "tools")
+    reasoning = None
+    if frontend.settings.reasoning_parser is not None:
+        reasoning = REASONING_PARSERS[frontend.settings.reasoning_parser]()
+        if structured[0] is not None:  # held from the first token: no block the template opened
+            reasoning = reasoning.constrained()
+    if plan.mode == "auto" and plan.parser.keeps_special_tokens:
+        body = body.model_copy(update={"skip_special_tokens": False})  # its markers are special tokens
+    _, prompt_ids = frontend.prompts.render_chat(template_messages(body.messages), body.add_generation_prompt,
+                                                 body.continue_final_message, plan.prompt_tools, plan.parser,
+                                                 template_kwargs(body))
+    prompt_ids = frontend.prompts.truncate(prompt_ids, body.truncate_prompt_tokens)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = frontend.prompts.max_tokens_for(len(prompt_ids), requested, "messages")
+    parameters = sampling_parameters(body, max_tokens=max_tokens, logprobs=top_logprobs,
+                                     vocab_size=frontend.prompts.vocab_size, structured=structured) | adapter
+    return ChatJob(body, prompt_ids, parameters, plan, reasoning, structured[1], top_logprobs, include_usage)
+
+
+def reasoning_delta(text: str) -> list[dict]:
+    # vLLM's field is `reasoning` now; `reasoning_content` (DeepSeek's, vLLM's before) for older clients.
+    return [{"reasoning": text, "reasoning_content": text}] if text else []
+
+
+class AnswerStream:
+    """One streamed choice: its reasoning first, then content and tool calls, as chat deltas."""
+
+    def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStream) -> None:
+        self.reasoning, self.tools = reasoning, tools
+
+    @property
+    def calls(self) -> list[Call]:
+        return self.tools.calls
+
+    def feed(self, text: str) -> list[dict]:
+        if self.reasoning is None:
+            return self.tools.feed(text)
+        thought, content = self.reasoning.feed(text)
+        return reasoning_delta(thought) + (self.tools.feed(content) if content else [])
+
+    def finish(self) -> list[dict]:
+        deltas = []
+        if self.reasoning is not None:
+            thought, content = self.reasoning.finish()
+            deltas = reasoning_delta(thought) + (self.tools.feed(content) if content else [])
+        return deltas + self.tools.finish()
+
+
+async def stream_answers(frontend, job: ChatJob, raw_request: Request, choices: Choices
+                         ) -> AsyncIterator[tuple[int, list[dict], dict | None, str | None]]:
+    """Start a streamed request (its HTTP status decided by Triton's first response), then yield
+    (choice index, deltas, logprobs, finish reason) as the answers grow."""
+    first, rest = await unless_disconnected(raw_request, start(
+        frontend.triton, [job.prompt_ids], [job.parameters], stream=True, prompt_param="messages",
+        structured_param=job.structured_param))
+    streams = [job.answer_stream() for _ in range(job.body.n)]
+
+    async def answers():
+        async for prompt_index, response in replay(first, rest):
+            for index, delta in choices.update(prompt_index, response):
+                logprobs = None
+                if job.top_logprobs is not None:
+                    logprobs = chat_logprobs(delta.logprobs or [], job.top_logprobs).model_dump()
+                stream, finish_reason = streams[index], delta.finish_reason
+                deltas = stream.feed(delta.text)
+                if finish_reason is not None:
+                    deltas += stream.finish()
+                    finish_reason = job.plan.finish_reason(stream.calls, finish_reason)
+                if deltas or finish_reason is not None or logprobs is not None:
+                    yield index, deltas, logprobs, finish_reason
+    return answers()
+
+
+async def run_whole(frontend, job: ChatJob, raw_request: Request, choices: Choices) -> None:
+    async def collect():
+        first, rest = await start(frontend.triton, [job.prompt_ids], [job.parameters], stream=False,
+                                  prompt_param="messages", structured_param=job.structured_param)
+        async for prompt_index, response in replay(first, rest):
+            choices.update(prompt_index, response)
+
+    await unless_disconnected(raw_request, collect())
 
 
 def chat_logprobs(entries: list[list[SampledLogprob]], top_logprobs: int) -> ChatLogprobs:
@@ -81,81 +224,44 @@ def chat_logprobs(entries: list[list[SampledLogprob]], top_logprobs: int) -> Cha
 
 
 async def serve_chat_completion(frontend, body: ChatCompletionRequest, raw_request: Request):
-    adapter = frontend.check_llm_model(body.model)  # {} or the LoRA adapter's sampling parameters
-    include_usage = check_stream_options(body)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise invalid("top_logprobs", "top_logprobs: needs logprobs set to true")
-    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    plan = tool_plan(body, frontend.settings.tool_call_parser)  # the frontend's --tool-call-parser
-    structured = structured_outputs(body)
-    forced = plan.structured_outputs()
-    if forced is not None:
-        if structured[0] is not None:
-            raise invalid("tool_choice", f"tool_choice: {plan.mode} calls a tool; it cannot be combined "
-                                         f"with {structured[1]}")
-        structured = (forced, "tools")
-    _, prompt_ids = frontend.prompts.render_chat(template_messages(body.messages), body.add_generation_prompt,
-                                              body.continue_final_message, plan.prompt_tools, plan.parser)
-    prompt_ids = frontend.prompts.truncate(prompt_ids, body.truncate_prompt_tokens)
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = frontend.prompts.max_tokens_for(len(prompt_ids), requested, "messages")
-    parameters = sampling_parameters(body, max_tokens=max_tokens, logprobs=top_logprobs,
-                                     vocab_size=frontend.prompts.vocab_size, structured=structured) | adapter
+    job = prepare_chat(frontend, body)
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     choices = Choices(1, body.n, frontend.settings.enable_prompt_tokens_details)
-    log_request(frontend, response_id, [prompt_ids], [parameters])
+    log_request(frontend, response_id, [job.prompt_ids], [job.parameters])
 
     def chunk(choice: dict) -> dict:
         return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
                 "choices": [choice]}
 
     if body.stream:
-        first, rest = await unless_disconnected(raw_request, start(frontend.triton, [prompt_ids], [parameters],
-                                                                   stream=True, prompt_param="messages",
-                                                                   structured_param=structured[1]))
-        streams = [plan.stream() for _ in range(body.n)]
+        answers = await stream_answers(frontend, job, raw_request, choices)
 
         async def events():
             for index in range(body.n):
                 yield chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None})
-            async for prompt_index, response in replay(first, rest):
-                for index, delta in choices.update(prompt_index, response):
-                    logprobs = None
-                    if top_logprobs is not None:
-                        logprobs = chat_logprobs(delta.logprobs or [], top_logprobs).model_dump()
-                    stream, finish_reason = streams[index], delta.finish_reason
-                    deltas = stream.feed(delta.text)
-                    if finish_reason is not None:
-                        deltas += stream.finish()
-                        finish_reason = plan.finish_reason(stream.calls, finish_reason)
-                    if not deltas and finish_reason is None and logprobs is None:
-                        continue  # text held back: it may be the start of a tool call
-                    deltas = deltas or [{}]
-                    for k, piece in enumerate(deltas):
-                        yield chunk({"index": index, "delta": piece, "logprobs": logprobs if k == 0 else None,
-                                     "finish_reason": finish_reason if k == len(deltas) - 1 else None})
-            if include_usage:
+            async for index, deltas, logprobs, finish_reason in answers:
+                deltas = deltas or [{}]
+                for k, piece in enumerate(deltas):
+                    yield chunk({"index": index, "delta": piece, "logprobs": logprobs if k == 0 else None,
+                                 "finish_reason": finish_reason if k == len(deltas) - 1 else None})
+            if job.include_usage:
                 yield {"id": response_id, "object": "chat.completion.chunk", "created": created,
                        "model": body.model, "choices": [], "usage": choices.usage().model_dump()}
             log_completion(frontend, response_id, choices)
 
         return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
 
-    async def collect():
-        first, rest = await start(frontend.triton, [prompt_ids], [parameters], stream=False, prompt_param="messages",
-                                  structured_param=structured[1])
-        async for prompt_index, response in replay(first, rest):
-            choices.update(prompt_index, response)
-
     def answer(index: int, choice) -> ChatChoice:
-        content, calls = plan.read(choice.text)
+        reasoning, content, calls = job.read(choice.text)
         message = AssistantMessage(content=(content.strip() or None) if calls else content,
+                                   reasoning=reasoning, reasoning_content=reasoning,
                                    tool_calls=[ToolCallOut.model_validate(call.message()) for call in calls] or None)
-        return ChatChoice(index=index, message=message, finish_reason=plan.finish_reason(calls, choice.finish_reason),
-                          logprobs=chat_logprobs(choice.logprobs, top_logprobs) if top_logprobs is not None else None)
+        return ChatChoice(index=index, message=message, finish_reason=job.plan.finish_reason(calls, choice.finish_reason),
+                          logprobs=chat_logprobs(choice.logprobs, job.top_logprobs)
+                          if job.top_logprobs is not None else None)
 
-    await unless_disconnected(raw_request, collect())
+    await run_whole(frontend, job, raw_request, choices)
     log_completion(frontend, response_id, choices)
     return ChatCompletionResponse(id=response_id, created=created, model=body.model, usage=choices.usage(),
                                   choices=[answer(index, choice) for index, choice in enumerate(choices.choices)])

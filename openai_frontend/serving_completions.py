@@ -44,6 +44,19 @@ def check_request_size(num_prompts: int, n: int, best_of: int | None, stream: bo
                            f"got {samples}")
 
 
+def beam_search_options(body: CompletionRequest) -> dict:
+    """vLLM's `use_beam_search` -> the llm model's beam options (none without it): `best_of` (or
+    `n`) beams, the n best returned in order."""
+    if not body.use_beam_search:
+        return {}
+    if body.stream:
+        raise invalid("use_beam_search", "use_beam_search: beam search is not streamed; set stream to false")
+    if body.logprobs is not None:
+        raise invalid("logprobs", "logprobs: not returned with beam search; drop logprobs or use_beam_search")
+    return {"use_beam_search": True, "beam_width": body.best_of or body.n, "length_penalty": body.length_penalty,
+            "early_stopping": body.early_stopping}
+
+
 def completion_logprobs(entries: list[list[TokenLogprob]], offset: int, top: int) -> CompletionLogprobs:
     """OpenAI's legacy shape: the sampled tokens, their logprobs, the top-N per position (none for
     `logprobs: 0`, which asks for the sampled tokens' logprobs alone)."""
@@ -64,6 +77,7 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
     include_usage = check_stream_options(body)
     if body.echo and body.logprobs is not None:
         raise invalid("echo", "echo: prompt logprobs are not supported; drop echo or logprobs")
+    beam = beam_search_options(body)
     items = split_prompts(body.prompt)
     samples = body.best_of if body.best_of is not None else body.n
     check_request_size(len(items), body.n, body.best_of, body.stream)
@@ -77,6 +91,8 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
                                       max_tokens=frontend.prompts.max_tokens_for(len(ids), body.max_tokens, "prompt"),
                                       structured=structured, n=samples) | adapter
                   for ids in prompts]
+    if beam:
+        samples, parameters = body.n, [{**values, "n": body.n} | beam for values in parameters]
     echoes = [p if isinstance(p, str) else frontend.prompts.decode(p) for p in items] if body.echo else None
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     choices = Choices(len(prompts), samples, frontend.settings.enable_prompt_tokens_details)
@@ -117,7 +133,8 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
             choices.update(prompt_index, chunk)
 
     await unless_disconnected(raw_request, collect())
-    choices.keep_best(body.n)
+    if not beam:  # beams come back n best, in order
+        choices.keep_best(body.n)
     log_completion(frontend, response_id, choices)
     return CompletionResponse(
         id=response_id, created=created, model=body.model, usage=choices.usage(),

@@ -1,25 +1,33 @@
-"""Tool calls in chat: showing the model its tools, and reading its calls back, whole or streamed.
+"""Tool-call text formats (`--tool-call-parser`, vLLM's names): how tools, calls and results are
+shown to a model whose chat template knows no tools, and how calls are read back out of its
+answer, whole or while it is still being written.
 
-A parser owns one text format of calls (`--tool-call-parser`): `hermes` (the default), blocks of
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` as Hermes, Qwen and many open models
-write them, or `json`, an answer that is only such an object (or a list of them). A chat template
-that knows tools gets them as `tools=`; for one that does not (SmolLM2's) the parser describes them
-in the system message and writes earlier calls and results into the conversation in its format.
+- `hermes` (the default): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, as
+  Hermes, Qwen and many open models write them; text around them is content.
+- `json`: an answer that is only such an object, or a list of them.
+- `llama3_json`: Llama 3.1/3.2's `{"name": ..., "parameters": {...}}` (after an optional
+  `<|python_tag|>`), several separated by `;`.
+- `mistral`: `[TOOL_CALLS]` then a JSON list of calls, or (newer tokenizers) `name[ARGS]{...}`
+  after each `[TOOL_CALLS]`.
+- `pythonic`: a Python list of calls, `[get_weather(city="Paris"), get_time()]` (Llama 3.2/4).
 
-`tool_choice` decides how an answer is read. `none`: plain text, the tools are not shown. `auto`:
-free text, from which the parser picks the calls. `required` and a named function: structured
-outputs hold the engine to a JSON list of calls or to the named function's arguments, so the
-answer always is a call; its text is JSON, whatever the parser.
+`partial_calls` reads calls from an answer cut short anywhere: names once they are whole, arguments
+as far as they are written (incomplete strings and numbers left out), so that they can be streamed.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
 
-NO_ARGUMENTS = {"type": "object", "properties": {}}
+from partial_json_parser import Allow
+from partial_json_parser import loads as partial_loads
+
+# Incomplete strings, numbers and true/false/null are left out: what is read never changes later.
+WHOLE_SCALARS = Allow.ALL & ~(Allow.STR | Allow.NUM | Allow.SPECIAL)
 
 
 @dataclass
@@ -36,6 +44,18 @@ class Call:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+@dataclass
+class PartialCall:
+    """A call as far as it is written: its name once whole, its arguments so far."""
+    name: str | None
+    arguments: dict | None
+    complete: bool
+
+
+def arguments_text(arguments: dict) -> str:
+    return json.dumps(arguments, ensure_ascii=False)
+
+
 def read_call(value) -> Call | None:
     """{"name": ..., "arguments": {...}} (or "parameters", as some models write) -> a Call."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -48,7 +68,23 @@ def read_call(value) -> Call | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return Call(value["name"], json.dumps(arguments, ensure_ascii=False))
+    return Call(value["name"], arguments_text(arguments))
+
+
+def read_partial_call(value, complete: bool) -> PartialCall:
+    if not isinstance(value, dict):
+        return PartialCall(None, None, complete)
+    name = value.get("name") if isinstance(value.get("name"), str) else None
+    arguments = value.get("arguments", value.get("parameters"))
+    if isinstance(arguments, str):  # arguments as JSON text: usable once whole
+        try:
+            arguments = json.loads(arguments) if complete else None
+        except json.JSONDecodeError:
+            arguments = None
+    if complete and arguments is None and name is not None and "arguments" not in value \
+            and "parameters" not in value:
+        arguments = {}
+    return PartialCall(name, arguments if isinstance(arguments, dict) else None, complete)
 
 
 def read_calls(text: str) -> list[Call] | None:
@@ -61,11 +97,71 @@ def read_calls(text: str) -> list[Call] | None:
     return calls if calls and all(calls) else None
 
 
+def json_values(text: str, separators: str = "") -> list[tuple[object, bool]]:
+    """The JSON values written one after another in `text` (between them whitespace or
+    `separators`), the last perhaps cut short: (value, complete)."""
+    decoder, position = json.JSONDecoder(), 0
+    values: list[tuple[object, bool]] = []
+    while True:
+        while position < len(text) and (text[position].isspace() or text[position] in separators):
+            position += 1
+        if position == len(text):
+            return values
+        try:
+            value, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            try:
+                values.append((partial_loads(text[position:], WHOLE_SCALARS), False))
+            except Exception:  # not JSON at all
+                pass
+            return values
+        values.append((value, True))
+
+
+def partial_json_calls(text: str, separators: str = "") -> list[PartialCall]:
+    """Calls written as JSON objects or lists of them, as far as they are written."""
+    calls = []
+    for value, complete in json_values(text, separators):
+        items = value if isinstance(value, list) else [value]
+        calls += [read_partial_call(item, complete or k < len(items) - 1) for k, item in enumerate(items)]
+    return calls
+
+
+def whole_json_calls(text: str, separators: str = "") -> list[Call] | None:
+    """Calls written as JSON objects or lists of them; None unless every value is a whole call."""
+    values = json_values(text, separators)
+    if not values or not all(complete for _, complete in values):
+        return None
+    calls = [read_call(item) for value, _ in values for item in (value if isinstance(value, list) else [value])]
+    return calls if calls and all(calls) else None
+
+
+def held_tail(text: str, marker: str) -> int:
+    """Where a tail of `text` that could be the start of `marker` begins (len(text) if none)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return len(text) - size
+    return len(text)
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
 class ToolParser:
     """One text format of tool calls: how to show tools, calls and results to a model, and how to
     read calls out of its answer, whole or as it streams."""
 
+    keeps_special_tokens = False  # its markers are special tokens of its models: do not skip them
+
     def describe(self, tools: list[dict]) -> str:
+        listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+        return f"You can call these functions:\n{listed}\n\n{self.instructions()}"
+
+    def instructions(self) -> str:
         raise NotImplementedError
 
     def format_calls(self, calls: list[dict]) -> str:
@@ -80,6 +176,10 @@ class ToolParser:
 
     def content_end(self, text: str) -> int:
         """How much of a partial answer is surely content, never part of a call."""
+        raise NotImplementedError
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The calls in a partial answer, as far as they are written."""
         raise NotImplementedError
 
 
@@ -109,21 +209,22 @@ class HermesParser(ToolParser):
     def content_end(self, text: str) -> int:
         # Up to where a call starts, or may start: a tail that could begin the start tag.
         start = text.find(self.START)
-        if start >= 0:
-            return start
-        for size in range(min(len(self.START) - 1, len(text)), 0, -1):
-            if self.START.startswith(text[-size:]):
-                return len(text) - size
-        return len(text)
+        return start if start >= 0 else held_tail(text, self.START)
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        calls = []
+        for block in self.BLOCK.findall(text):
+            values = json_values(block)  # the first value; a closing tag cut short may follow it
+            calls.append(read_partial_call(*values[0]) if values else PartialCall(None, None, False))
+        return calls
 
 
 class JsonParser(ToolParser):
     """An answer that is a JSON call, or a list of them; anything else is text."""
 
-    def describe(self, tools: list[dict]) -> str:
-        listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-        return (f"You can call these functions:\n{listed}\n\nTo call them, answer only with JSON: "
-                '{"name": <function-name>, "arguments": <arguments-object>}, or a list of such objects.')
+    def instructions(self) -> str:
+        return ('To call them, answer only with JSON: {"name": <function-name>, "arguments": '
+                "<arguments-object>}, or a list of such objects.")
 
     def format_calls(self, calls: list[dict]) -> str:
         return json.dumps(calls if len(calls) > 1 else calls[0], ensure_ascii=False)
@@ -136,15 +237,151 @@ class JsonParser(ToolParser):
         stripped = text.lstrip()
         return 0 if not stripped or stripped[0] in "{[" else len(text)
 
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        return partial_json_calls(text) if text.lstrip()[:1] in ("{", "[") else []
 
-PARSERS = {"hermes": HermesParser, "json": JsonParser}
+
+class Llama3JsonParser(ToolParser):
+    """Llama 3.1's JSON calls: `<|python_tag|>` (optional), then `{"name": ..., "parameters": ...}`
+    objects separated by `;`. As vLLM reads them, an answer that starts otherwise is text."""
+
+    TAG = "<|python_tag|>"
+    keeps_special_tokens = True
+
+    def instructions(self) -> str:
+        return ('To call a function, answer only with JSON: {"name": <function-name>, "parameters": '
+                "<arguments-object>}; separate several calls with `; `.")
+
+    def format_calls(self, calls: list[dict]) -> str:
+        return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}, ensure_ascii=False)
+                         for c in calls)
+
+    def body(self, text: str) -> str | None:
+        stripped = text.lstrip()
+        stripped = stripped[len(self.TAG):].lstrip() if stripped.startswith(self.TAG) else stripped
+        return stripped if stripped[:1] == "{" else None
+
+    def parse(self, text: str) -> tuple[str, list[Call]]:
+        body = self.body(text)
+        calls = whole_json_calls(body, ";") if body is not None else None
+        return ("", calls) if calls else (text, [])
+
+    def content_end(self, text: str) -> int:
+        stripped = text.lstrip()
+        if not stripped or stripped[0] == "{" or self.TAG.startswith(stripped[:len(self.TAG)]):
+            return 0
+        return len(text)
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        body = self.body(text)
+        return partial_json_calls(body, ";") if body is not None else []
 
 
-def _json(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return None
+class MistralParser(ToolParser):
+    """Mistral's `[TOOL_CALLS]` followed by a JSON list of calls, or by `name[ARGS]{...}` (v11+
+    tokenizers, one `[TOOL_CALLS]` per call). Text before the first marker is content."""
+
+    MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    keeps_special_tokens = True
+
+    def instructions(self) -> str:
+        return ('To call functions, answer with [TOOL_CALLS] followed by a JSON list: [{"name": '
+                '<function-name>, "arguments": <arguments-object>}].')
+
+    def format_calls(self, calls: list[dict]) -> str:
+        return self.MARKER + json.dumps(calls, ensure_ascii=False)
+
+    def sections(self, text: str) -> list[str]:
+        return text.split(self.MARKER)[1:]
+
+    def parse(self, text: str) -> tuple[str, list[Call]]:
+        sections = self.sections(text)
+        calls: list[Call | None] = []
+        for section in sections:
+            name, marker, arguments = section.partition(self.ARGS)
+            if marker:
+                calls.append(read_call({"name": name.strip(), "arguments": _json(arguments.strip())}))
+            else:
+                calls += whole_json_calls(section) or [None]
+        if not sections or not all(calls):
+            return text, []
+        return text[:text.find(self.MARKER)], calls  # type: ignore[return-value]
+
+    def content_end(self, text: str) -> int:
+        start = text.find(self.MARKER)
+        return start if start >= 0 else held_tail(text, self.MARKER)
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        calls: list[PartialCall] = []
+        sections = self.sections(text)
+        for k, section in enumerate(sections):
+            name, marker, arguments = section.partition(self.ARGS)
+            if not marker and section.lstrip()[:1] in ("[", "{"):
+                calls += partial_json_calls(section)
+            elif marker:
+                values = json_values(arguments)
+                value, complete = values[0] if values else (None, False)
+                calls.append(PartialCall(name.strip(), value if isinstance(value, dict) else None,
+                                         complete or k < len(sections) - 1))
+        return calls
+
+
+class PythonicParser(ToolParser):
+    """A Python list of calls with literal keyword arguments: `[get_weather(city="Paris")]`. Calls
+    stream whole: each once it is closed."""
+
+    def instructions(self) -> str:
+        return ("To call functions, answer only with a Python list of calls with keyword arguments, "
+                'e.g. [get_weather(city="Paris"), get_time()].')
+
+    def format_calls(self, calls: list[dict]) -> str:
+        def call(c: dict) -> str:
+            return f"{c['name']}({', '.join(f'{k}={v!r}' for k, v in c['arguments'].items())})"
+        return f"[{', '.join(call(c) for c in calls)}]"
+
+    @staticmethod
+    def read(source: str) -> list[Call] | None:
+        try:
+            tree = ast.parse(source.strip(), mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                return None
+            try:
+                arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            except ValueError:
+                return None
+            if None in arguments:  # **kwargs
+                return None
+            calls.append(Call(node.func.id, arguments_text(arguments)))
+        return calls
+
+    def parse(self, text: str) -> tuple[str, list[Call]]:
+        calls = self.read(text) if text.lstrip()[:1] == "[" else None
+        return ("", calls) if calls else (text, [])
+
+    def content_end(self, text: str) -> int:
+        stripped = text.lstrip()
+        return 0 if not stripped or stripped[0] == "[" else len(text)
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        if text.lstrip()[:1] != "[":
+            return []
+        # The calls closed so far: the list cut after one of its last ")" and closed.
+        closes = [i + 1 for i, char in enumerate(text) if char == ")"][-8:]
+        for candidate in (text, *(text[:end] + "]" for end in reversed(closes))):
+            calls = self.read(candidate)
+            if calls:
+                return [PartialCall(c.name, json.loads(c.arguments), True) for c in calls]
+        return []
+
+
+PARSERS = {"hermes": HermesParser, "json": JsonParser, "llama3_json": Llama3JsonParser,
+           "mistral": MistralParser, "pythonic": PythonicParser}
 
 
 def inline_tools(messages: list[dict], tools: list[dict] | None, parser: ToolParser) -> list[dict]:
@@ -167,97 +404,3 @@ def inline_tools(messages: list[dict], tools: list[dict] | None, parser: ToolPar
         else:
             out.insert(0, {"role": "system", "content": described})
     return out
-
-
-class ToolPlan:
-    """How one chat request uses its tools: what the prompt shows, what the engine must produce,
-    how the answer is read."""
-
-    def __init__(self, tools: list[dict], tool_choice, parser: ToolParser, parallel: bool) -> None:
-        self.tools, self.parser, self.parallel = tools, parser, parallel
-        self.name = None
-        if isinstance(tool_choice, dict):
-            self.mode, self.name = "named", tool_choice["function"]["name"]
-        else:
-            self.mode = tool_choice or ("auto" if tools else "none")
-
-    @property
-    def prompt_tools(self) -> list[dict] | None:
-        return self.tools if self.tools and self.mode != "none" else None
-
-    def structured_outputs(self) -> dict | None:
-        """A JSON schema that holds the answer to the call(s) `required` or a named choice asks for."""
-        def parameters(tool: dict) -> dict:
-            return tool["function"].get("parameters") or NO_ARGUMENTS
-
-        if self.mode == "named":
-            tool = next(t for t in self.tools if t["function"]["name"] == self.name)
-            return {"json": parameters(tool)}
-        if self.mode == "required":
-            one_call = {"anyOf": [{"type": "object", "required": ["name", "arguments"],
-                                   "properties": {"name": {"const": tool["function"]["name"]},
-                                                  "arguments": parameters(tool)}} for tool in self.tools]}
-            return {"json": {"type": "array", "items": one_call, "minItems": 1,
-                             **({} if self.parallel else {"maxItems": 1})}}
-        return None
-
-    def finish_reason(self, calls: list[Call], reason: str | None) -> str | None:
-        # As OpenAI: calls the model chose, or had to make, end with "tool_calls"; a call to the
-        # function named in tool_choice ends with the engine's reason ("stop").
-        return "tool_calls" if calls and self.mode != "named" else reason
-
-    def read(self, text: str) -> tuple[str, list[Call]]:
-        """A whole answer -> (content, calls)."""
-        if self.mode == "named":
-            return "", [Call(self.name, text)]
-        if self.mode == "required":
-            calls = read_calls(text)
-            return ("", calls) if calls else (text, [])
-        if self.mode == "auto":
-            content, calls = self.parser.parse(text)
-            return content, calls if self.parallel else calls[:1]
-        return text, []
-
-    def stream(self) -> "ToolCallStream":
-        return ToolCallStream(self)
-
-
-class ToolCallStream:
-    """One streamed choice: text goes out as content as soon as it cannot belong to a call; calls go
-    out whole once the answer is complete (a named call's arguments as they come)."""
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan, self.text, self.sent = plan, "", 0
-        self.named_call = Call(plan.name, "") if plan.mode == "named" else None
-        self.calls: list[Call] = [self.named_call] if self.named_call else []
-
-    def feed(self, text: str) -> list[dict]:
-        """Deltas for the new text."""
-        self.text += text
-        if self.named_call is not None:
-            if not text:
-                return []
-            first, self.sent = self.sent == 0, len(self.text)
-            piece: dict = self.named_call.delta(0) if first else {"index": 0, "function": {}}
-            piece["function"]["arguments"] = text
-            return [{"tool_calls": [piece]}]
-        if self.plan.mode == "required":
-            return []
-        end = self.plan.parser.content_end(self.text) if self.plan.mode == "auto" else len(self.text)
-        return self._content(end)
-
-    def finish(self) -> list[dict]:
-        """The deltas held back until the answer was complete."""
-        if self.named_call is not None:
-            return []
-        content, self.calls = self.plan.read(self.text)
-        if not self.calls:
-            return self._content(len(self.text))
-        deltas = [{"content": content[self.sent:]}] if content[self.sent:].strip() else []
-        return deltas + [{"tool_calls": [call.delta(i) for i, call in enumerate(self.calls)]}]
-
-    def _content(self, end: int) -> list[dict]:
-        if end <= self.sent:
-            return []
-        piece, self.sent = self.text[self.sent:end], end
-        return [{"content": piece}]

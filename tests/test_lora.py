@@ -218,26 +218,34 @@ def test_kernel_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_stacked_path_matches_reference(dtype):
-    """The CPU path's one shrink and one expand over every slot in use (masked to each token's own
-    slot) against the per-segment reference, with base-model tokens inside the span untouched."""
-    from backend.ops import add_lora as cpu_add_lora
+def test_cpu_path_matches_reference(dtype):
+    """The CPU path's batched GEMMs (segments padded to the longest) against the
+    per-segment reference, with the tokens of no adapter between them untouched; and a step whose
+    segments tile their rows (no gather)."""
+    from backend.ops import add_lora_cpu
 
     torch.manual_seed(1)
     num_slots, rank, num_in, num_out = 4, 16, 64, 48
     lora_a = (torch.randn(num_slots, rank, num_in) * 0.1).to(dtype)
     lora_b = (torch.randn(num_slots, num_out, rank) * 0.1).to(dtype)
-    rows = [(2, 1), (3, 3), (1, -1), (4, 1), (2, -1), (5, 2)]  # slot 0 unused: the range is 1..3
-    x = torch.randn(sum(n for n, _ in rows), num_in).to(dtype)
-    base = torch.randn(x.shape[0], num_out).to(dtype)
-    batch = LoRABatch.build(rows, torch.device("cpu"))
-    expected, out = base.clone(), base.clone()
-    add_lora_reference(expected, x, lora_a, lora_b, batch)
-    cpu_add_lora(out, x, lora_a, lora_b, batch, lora_b.transpose(1, 2).contiguous())
-    assert torch.equal(out[5], base[5]) and torch.equal(out[10:12], base[10:12])
+    rows = [(2, 1), (3, 3), (1, -1), (4, 1), (2, -1), (5, 2)]  # uneven, slots out of order, gaps
+    lora_at, lora_bt = lora_a.transpose(1, 2).contiguous(), lora_b.transpose(1, 2).contiguous()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
-    assert not torch.allclose(out.float(), base.float())
+    cases = ((rows, [5, 10, 11]), ([(1, 0), (3, -1), (4, 1), (4, 2), (4, 3)], [1, 2, 3]), ([(4, 1), (4, 3), (4, 2)], []))
+    layouts = []
+    for rows, untouched in cases:
+        x = torch.randn(sum(n for n, _ in rows), num_in).to(dtype)
+        base = torch.randn(x.shape[0], num_out).to(dtype)
+        batch = LoRABatch.build(rows, torch.device("cpu"))
+        expected, out = base.clone(), base.clone()
+        add_lora_reference(expected, x, lora_a, lora_b, batch)
+        add_lora_cpu(out, x, lora_at, lora_bt, batch.cpu_layout)
+        layouts.append(batch.cpu_layout)
+        assert torch.equal(out[untouched], base[untouched])
+        torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+        assert not torch.allclose(out.float(), base.float())
+    assert layouts[0].gather is not None and layouts[1].slots == slice(0, 4)
+    assert layouts[2].gather is None and torch.equal(layouts[2].slots, torch.tensor([1, 3, 2]))
 
 
 # -- served: `tritonllm serve --enable-lora --lora-modules ...`, tritonclient and the OpenAI SDK --------

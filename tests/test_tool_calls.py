@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from openai_frontend.prompts import PromptBuilder
-from openai_frontend.tool_parsers import HermesParser, JsonParser, ToolPlan
+from openai_frontend.tool_calls import ToolPlan
+from openai_frontend.tool_parsers import PARSERS, HermesParser, JsonParser
 from test_openai_frontend import API_KEY, _no_request_left_running, client, model_name, serve  # noqa: F401
 
 WEATHER = {"type": "function", "function": {
@@ -35,6 +36,18 @@ def streamed(plan: ToolPlan, text: str, piece: int) -> tuple[str, list[dict]]:
     return content, [call for d in deltas for call in d.get("tool_calls", [])]
 
 
+def merged(deltas: list[dict]) -> list[tuple[str, str, str]]:
+    """Tool-call deltas put together as a client does: (id, name, arguments) by index."""
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        if "id" in delta:
+            assert delta["index"] not in calls and delta["type"] == "function"  # a call starts once
+            calls[delta["index"]] = [delta["id"], delta["function"]["name"], ""]
+        calls[delta["index"]][2] += delta["function"].get("arguments") or ""
+    assert sorted(calls) == list(range(len(calls)))
+    return [tuple(calls[index]) for index in sorted(calls)]
+
+
 def test_hermes_parser_reads_calls_and_text():
     content, calls = HermesParser().parse(HERMES_ANSWER)
     assert content.strip() == "Let me check."
@@ -47,15 +60,69 @@ def test_hermes_parser_reads_calls_and_text():
     assert [c.name for c in HermesParser().parse(cut_short)[1]] == ["get_time"]
 
 
+# The same two calls (and, where the format has it, text before them) in each format.
+ANSWERS = {
+    "hermes": ("Let me check.", HERMES_ANSWER),
+    "json": ("", '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+                 '{"name": "get_time", "arguments": {}}]'),
+    "llama3_json": ("", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
+                        '"celsius"}}; {"name": "get_time", "parameters": {}}'),
+    "mistral": ("Let me check.", 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": '
+                                 '{"city": "Paris", "unit": "celsius"}}, {"name": "get_time", "arguments": {}}]'),
+    "mistral_v11": ("", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+                        '[TOOL_CALLS]get_time[ARGS]{}'),
+    "pythonic": ("", '[get_weather(city="Paris", unit="celsius"), get_time()]'),
+}
+CALLS = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {})]
+
+
+@pytest.mark.parametrize("name", sorted(ANSWERS))
+def test_each_parser_reads_its_format(name):
+    parser = PARSERS[name.removesuffix("_v11")]()
+    content, calls = parser.parse(ANSWERS[name][1])
+    assert content.strip() == ANSWERS[name][0]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
+    assert parser.parse("The weather is fine.") == ("The weather is fine.", [])
+    written = parser.format_calls([{"name": n, "arguments": a} for n, a in CALLS])
+    assert [(c.name, json.loads(c.arguments)) for c in parser.parse(written)[1]] == CALLS  # round trip
+
+
 @pytest.mark.parametrize("piece", [1, 2, 5, 13, 1000])
-def test_streamed_calls_equal_whole_ones_at_any_split(piece):
+@pytest.mark.parametrize("name", sorted(ANSWERS))
+def test_streamed_calls_equal_whole_ones_at_any_split(name, piece):
+    """Content never carries a piece of a call; each call starts once (id, name), and its argument
+    pieces add up to the arguments of the whole answer, at any split of the text."""
+    plan = ToolPlan(TOOLS, "auto", PARSERS[name.removesuffix("_v11")](), parallel=True)
+    content, deltas = streamed(plan, ANSWERS[name][1], piece)
+    assert content.strip() == ANSWERS[name][0]
+    whole = plan.read(ANSWERS[name][1])[1]
+    assert [(name, arguments) for _, name, arguments in merged(deltas)] == [(c.name, c.arguments) for c in whole]
+    assert all(call_id.startswith("call_") for call_id, _, _ in merged(deltas))
+    text = "plain answer < with a bracket <tool [TOOL"
+    assert streamed(plan, text, piece) == (text, [])  # held back at most, then released at the end
+
+
+def test_arguments_stream_while_they_are_written():
+    """Arguments go out before the call is complete: a piece as soon as a value is whole."""
     plan = ToolPlan(TOOLS, "auto", HermesParser(), parallel=True)
-    content, deltas = streamed(plan, HERMES_ANSWER, piece)
-    assert content.strip() == "Let me check."  # never a piece of a tag
-    assert [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "get_weather"), (1, "get_time")]
-    assert all(d["type"] == "function" and d["id"].startswith("call_") for d in deltas)
-    text = "plain answer < with a bracket <tool"
-    assert streamed(plan, text, piece) == (text, [])  # held back, then released at the end
+    stream = plan.stream()
+    deltas = stream.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    assert merged([c for d in deltas for c in d["tool_calls"]]) == [(stream.calls[0].id, "get_weather", "{")]
+    deltas = stream.feed('ris", "unit": ')
+    assert deltas == [{"tool_calls": [{"index": 0, "function": {"arguments": '"city": "Paris"'}}]}]
+    assert stream.feed('"cel') == []  # a string is sent once it is closed
+    deltas = stream.feed('sius"}}\n</tool_call>') + stream.finish()
+    assert "".join(c["function"]["arguments"] for d in deltas for c in d["tool_calls"]) == ', "unit": "celsius"}'
+    required = ToolPlan(TOOLS, "required", JsonParser(), parallel=True).stream()
+    assert required.feed('[{"name": "get_time", "arguments": {') == [{"tool_calls": [{
+        "index": 0, "id": required.calls[0].id, "type": "function", "function": {"name": "get_time",
+                                                                                 "arguments": "{"}}]}]
+
+
+def test_parallel_tool_calls_false_streams_only_the_first_call():
+    plan = ToolPlan(TOOLS, "auto", HermesParser(), parallel=False)
+    content, deltas = streamed(plan, HERMES_ANSWER, 3)
+    assert [name for _, name, _ in merged(deltas)] == ["get_weather"]
 
 
 def test_json_parser_and_tool_choice_modes():
@@ -107,9 +174,10 @@ def test_required_tool_call_through_the_sdk(client, model_name):
     stream = client.chat.completions.create(model=model_name, messages=QUESTION, tools=TOOLS,
                                             tool_choice="required", temperature=0, max_tokens=100, stream=True)
     chunks = [c.choices[0] for c in stream if c.choices]
-    deltas = [call for c in chunks for call in c.delta.tool_calls or []]
-    assert [(d.function.name, d.function.arguments) for d in deltas] == \
+    deltas = [call.model_dump(exclude_none=True) for c in chunks for call in c.delta.tool_calls or []]
+    assert [(name, arguments) for _, name, arguments in merged(deltas)] == \
         [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert len(deltas) > 2  # the arguments came in pieces, as they were generated
     assert chunks[-1].finish_reason == "tool_calls"
 
 
@@ -144,13 +212,16 @@ def test_tool_results_continue_the_conversation(client, model_name):
 
 @pytest.mark.parametrize("changes, param", [
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({}, "tool_choice"),  # tools alone mean "auto", which needs --enable-auto-tool-choice (as in vLLM)
+    ({"tool_choice": "auto"}, "tool_choice"),
     ({"tools": None, "tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "objekt"}}}]}, "tools"),
     ({"messages": QUESTION + [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
-        "name": "get_time", "arguments": "{oops"}}]}]}, "messages[1].tool_calls[0].function.arguments"),
+        "name": "get_time", "arguments": "{oops"}}]}], "tool_choice": "none"},
+     "messages[1].tool_calls[0].function.arguments"),
 ])
 def test_bad_tool_requests_are_400(serve, model_name, changes, param):
     body = {"model": model_name, "messages": QUESTION, "tools": TOOLS, "max_tokens": 5, **changes}

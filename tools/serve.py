@@ -56,8 +56,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                               "and unload; `explicit` allows them to holders of the admin key (docs/security.md)")
     servers.add_argument("--log-requests", action="store_true",
                          help="OpenAI frontend: log prompts and completions (never logged otherwise)")
-    servers.add_argument("--tool-call-parser", default="hermes", choices=("hermes", "json"),
+    servers.add_argument("--tool-call-parser", default="hermes",
+                         choices=("hermes", "json", "llama3_json", "mistral", "pythonic"),
                          help="the model's tool-call format, for the OpenAI frontend's tools support")
+    servers.add_argument("--enable-auto-tool-choice", action="store_true",
+                         help="OpenAI frontend: tool_choice auto, calls read from the model's text (vLLM's flag)")
+    servers.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
+                         help="OpenAI frontend: return the model's <think> block apart as `reasoning`")
     servers.add_argument("--chat-template", default=None,
                          help="OpenAI frontend: a Jinja chat template, or a file holding one, instead of the model's")
     servers.add_argument("--enable-prompt-tokens-details", action="store_true",
@@ -148,6 +153,10 @@ def start_frontend(args: argparse.Namespace, server: TritonServer, engine_args: 
     if getattr(args, "enable_prompt_tokens_details", False):
         command.append("--enable-prompt-tokens-details")
     command += ["--tool-call-parser", args.tool_call_parser]
+    if getattr(args, "enable_auto_tool_choice", False):
+        command.append("--enable-auto-tool-choice")
+    if getattr(args, "reasoning_parser", None):
+        command += ["--reasoning-parser", args.reasoning_parser]
     env = dict(os.environ)
     env.pop(API_KEY_ENV, None)
     if key is not None:

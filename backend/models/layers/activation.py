@@ -26,4 +26,5 @@ def gated_activation(gate_up: nn.Module, x: torch.Tensor, activation: str) -> to
     if activation == "silu":
         return ops.linear_silu_and_mul(gate_up, x)
     gate, up = gate_up(x).chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
+    # In place on GELU's own output: one allocation fewer per layer, the same values.
+    return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none").mul_(up)

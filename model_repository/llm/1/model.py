@@ -37,6 +37,7 @@ except ImportError as error:  # the stub runs an isolated Python: PYTHONPATH doe
     raise ImportError("tritonllm's `backend` package is not importable by Triton's Python stub; "
                       "install it into the Python that runs tritonserver (pip install -e .)") from error
 
+from backend.beam_search import AsyncBeamSearch, BeamSearchOutput, beam_params, to_request_output
 from backend.errors import EngineError
 from backend.lora import LoRARegistry, LoRARequest, parse_lora_modules
 import sys
@@ -71,6 +72,7 @@ class Job:
     logprobs_asked: bool = False  # the client set sampling logprobs (else logprobs output is null)
     finish_reasons: list = field(default_factory=list)  # last known per sample (n > 1 streams)
     cumulative_logprobs: list = field(default_factory=list)
+    beam: AsyncBeamSearch | None = None  # a beam search (use_beam_search / beam_width) in place of a request
     cancelled: bool = False
     unloading: bool = False
     done: bool = False
@@ -156,6 +158,8 @@ class TritonPythonModel:
                 params.logprobs = 0  # the engine sums logprobs only when it computes them
             job.finish_reasons = [None] * job.n
             job.cumulative_logprobs = [0.0] * job.n
+            if job.flags["beam"] is not None:
+                return self._submit_beam(job, prompt, params, cache_salt, lora_request)
             # Registered and handed over under one lock, so the sender thread never aborts (on a
             # cancellation) a request the engine has not been given yet.
             with self.jobs_lock:
@@ -168,6 +172,30 @@ class TritonPythonModel:
             with self.jobs_lock:
                 self.jobs.pop(job.request_id, None)
             self.outbox.put((job, self._triton_error(error)))
+
+    def _submit_beam(self, job: Job, prompt, params, cache_salt, lora_request) -> None:
+        """Beam search: one final response whose n samples are the n best beams, best first."""
+        prompt_text, prompt_ids = self.engine.engine.tokenize(prompt)
+        if params.max_tokens is None:  # the rest of the context, as for other requests
+            params.max_tokens = max(self.engine.max_model_len - len(prompt_ids), 1)
+        beam = beam_params(job.flags["beam"], params)
+
+        def done(result, job=job) -> None:
+            if isinstance(result, BeamSearchOutput):
+                result = to_request_output(job.request_id, prompt_text, result, job.n)
+            self.outbox.put((job, result))
+
+        with self.jobs_lock:
+            self.jobs[job.request_id] = job
+            job.beam = AsyncBeamSearch(self.engine, job.request_id, prompt_ids, beam, done, cache_salt=cache_salt,
+                                       lora_request=lora_request, priority=job.flags["priority"])
+            job.beam.start()
+
+    def _abort(self, job: Job) -> None:
+        if job.beam is not None:
+            job.beam.abort()
+        else:
+            self.engine.abort(job.request_id)
 
     def _lora_request(self, lora: dict) -> LoRARequest | None:
         """The adapter a request names (`lora_name` in sampling_parameters, as Triton's vLLM backend
@@ -239,11 +267,14 @@ class TritonPythonModel:
         for job in jobs:
             if job.request.is_cancelled():
                 job.cancelled = True
-                self.engine.abort(job.request_id)  # its final output (finish_reason abort) follows
+                self._abort(job)  # its final output (finish_reason abort) follows
 
     def _deliver(self, job: Job, item: RequestOutput | pb_utils.TritonError) -> None:
         if job.done:
             return
+        if isinstance(item, Exception):  # a beam search ended without a result
+            item = (RequestOutput(job.request_id, None, [], [], True) if job.cancelled or job.unloading
+                    else self._triton_error(item))
         if isinstance(item, pb_utils.TritonError):
             return self._finish(job, pb_utils.InferenceResponse(error=item))
         output = item
@@ -346,7 +377,7 @@ class TritonPythonModel:
             jobs = list(self.jobs.values())
         for job in jobs:
             job.unloading = True
-            self.engine.abort(job.request_id)
+            self._abort(job)
         deadline = time.monotonic() + 10
         while self.jobs and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import triton_python_backend_utils as pb_utils
 
 from backend import RequestOutputKind, SamplingParams
+from backend.beam_search import pop_beam_options
 from backend.errors import EngineError, check
 from backend.sampling_params import parse_json
 
@@ -71,6 +72,8 @@ def parse_request(request, defaults: dict | None = None) -> tuple[str | list[int
         priority = int(priority)
     check(isinstance(priority, int) and not isinstance(priority, bool), "priority", "must be an integer", priority)
     flags["priority"] = priority
+    flags["beam"] = pop_beam_options(values)  # None, or use_beam_search's options (model.py runs it)
+    check(not (flags["beam"] and stream), "use_beam_search", "beam search is not streamed; set stream false")
     values = {**(defaults or {}), **values}
     try:
         params = SamplingParams.from_dict(values)
