@@ -81,7 +81,7 @@ class LLMEngine:
                                    config.enable_chunked_prefill, config.preemption_mode,
                                    config.scheduling_policy, config.max_loras if config.enable_lora else None)
         self.sampler = Sampler(config.seed)
-        self.metrics = EngineMetrics(config.enable_lora)
+        self.metrics = EngineMetrics(config.enable_lora, self.max_model_len)
         self.spec = None if config.speculative_config is None else SpeculativeDecoder(
             config, self.runner, self.kv_cache, self.metrics, self.max_model_len)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
@@ -206,7 +206,10 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (finish_reason abort)."""
         parent = self._drop(request_id)
-        return None if parent is None else make_output(parent, None)
+        if parent is None:
+            return None
+        self.output_processor.record_ended(parent)
+        return make_output(parent, None)
 
     def _drop(self, request_id: str) -> ParentRequest | None:
         parent = self.output_processor.pop(request_id)
@@ -310,7 +313,8 @@ class LLMEngine:
         if plan.preempted:
             registry.inc(m.num_preemptions, len(plan.preempted))
         for request in plan.newly_admitted:
-            request.metrics.first_scheduled_time = time.time()
+            if request.metrics.first_scheduled_time is None:  # not again after a preemption
+                request.metrics.first_scheduled_time = time.time()
             registry.inc(m.prefix_cache_queries, request.num_prompt_tokens)
             registry.inc(m.prefix_cache_hits, request.num_cached_tokens)
 
@@ -350,8 +354,8 @@ class LLMEngine:
             if labels != m.lora_requests_info.labels:
                 registry.set_info(m.lora_requests_info, labels, time.time())
 
-    def get_metrics(self):
-        return self.metrics.registry.snapshot()
+    def get_metrics(self, take_observations: bool = False):
+        return self.metrics.registry.snapshot(take_observations)
 
     def shutdown(self) -> None:
         """Stop the grammar pool and the tensor/pipeline-parallel worker ranks, if any (idempotent)."""

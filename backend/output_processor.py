@@ -89,23 +89,33 @@ class OutputProcessor:
 
     def append_tokens(self, sampled: list[SampledTokens]) -> None:
         registry, m = self.metrics.registry, self.metrics
+        step_tokens = 0
         for item in sampled:
             request = item.request
             _, child = self.children[request.request_id]
             now = time.time()
-            if request.num_output_tokens == 0:
-                registry.inc(m.prompt_tokens, request.num_prompt_tokens)
-                registry.observe(m.time_to_first_token, now - request.metrics.arrival_time)
-            elif request.metrics.last_token_time is not None:
-                registry.observe(m.inter_token_latency, now - request.metrics.last_token_time)
+            first = request.num_output_tokens == 0
+            previous = request.metrics.last_token_time
+            appended = 0
             for token, logprobs in zip(item.token_ids, item.logprobs):
                 append_token(child, token, logprobs, self.eos_token_ids, self.max_model_len)
                 if request.grammar is not None:
                     request.grammar.advance(request, token)
-                registry.inc(m.generation_tokens)
+                appended += 1
                 if request.finish_reason is not None:
                     request.metrics.finished_time = time.time()
                     break  # accepted tokens after a stop are dropped
+            registry.inc(m.generation_tokens, appended)
+            step_tokens += appended
+            if first:
+                registry.inc(m.prompt_tokens, request.num_prompt_tokens)
+                step_tokens += request.num_prompt_tokens
+                registry.observe(m.time_to_first_token, now - request.metrics.arrival_time)
+            elif previous is not None and appended:
+                registry.observe(m.inter_token_latency, now - previous)
+                registry.observe(m.time_per_output_token, now - previous)  # vLLM v1's: the same values
+        if step_tokens:
+            registry.observe(m.iteration_tokens, step_tokens)
 
     def append_prompt_logprobs(self, scores: list[PromptScores]) -> None:
         """The prompt tokens a step scored, as Logprob dicts: the prompt's token with its rank,
@@ -141,9 +151,28 @@ class OutputProcessor:
 
     def _retire(self, parent: ParentRequest) -> None:
         self.pop(parent.request_id)
+        self.record_ended(parent)
+
+    def record_ended(self, parent: ParentRequest) -> None:
+        """Count a user request that ended: each of its samples (finished, or aborted), as vLLM v1
+        counts them, and its n once."""
         registry, m = self.metrics.registry, self.metrics
-        registry.inc(m.request_success)
-        registry.observe(m.e2e_request_latency, time.time() - parent.children[0].request.metrics.arrival_time)
+        now = time.time()
+        for child in parent.children:
+            request, times = child.request, child.request.metrics
+            scheduled = times.first_scheduled_time or now  # phases never reached last 0 s
+            first_token = times.first_token_time or scheduled
+            last_token = times.last_token_time or first_token
+            registry.inc(m.request_success[request.finish_reason or "abort"])
+            registry.observe(m.e2e_request_latency, (times.finished_time or now) - times.arrival_time)
+            registry.observe(m.request_queue_time, scheduled - times.arrival_time)
+            registry.observe(m.request_prefill_time, first_token - scheduled)
+            registry.observe(m.request_decode_time, last_token - first_token)
+            registry.observe(m.request_inference_time, last_token - scheduled)
+            registry.observe(m.request_prompt_tokens, request.num_prompt_tokens)
+            registry.observe(m.request_generation_tokens, request.num_output_tokens)
+            registry.observe(m.request_params_max_tokens, request.params.max_tokens)
+        registry.observe(m.request_params_n, len(parent.children))
 
     @staticmethod
     def failed_output(parent: ParentRequest, error: EngineError) -> RequestOutput:

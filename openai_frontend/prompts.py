@@ -133,6 +133,17 @@ class PromptBuilder:
                 token_ids += self.tokenizer(valid_text(piece, "messages"), add_special_tokens=False).input_ids
         return "".join(rendered), token_ids
 
+    def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: max_model_len)."""
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.max_model_len
+        if keep < 1 or keep > self.max_model_len:
+            raise invalid("truncate_prompt_tokens", f"truncate_prompt_tokens: must be -1 or in [1, max_model_len "
+                                                    f"({self.max_model_len})], got {keep}")
+        return token_ids[-keep:]
+
     def max_tokens_for(self, prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> int:
         """`max_tokens`, or all the room left in the context when it is None; 400 if it won't fit."""
         room = self.max_model_len - prompt_tokens

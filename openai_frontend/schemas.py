@@ -75,6 +75,8 @@ class SamplingRequest(Request):
     structured_outputs: StructuredOutputs | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[TokenId] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the prompt's last N tokens "
+                                                                        "(-1: max_model_len)")
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1, description="scheduling priority, lower first "
                                                                    "(needs --scheduling-policy priority)")
 

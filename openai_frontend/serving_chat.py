@@ -137,6 +137,7 @@ def prepare_chat(frontend, body: ChatCompletionRequest) -> ChatJob:
     _, prompt_ids = frontend.prompts.render_chat(template_messages(body.messages), body.add_generation_prompt,
                                                  body.continue_final_message, plan.prompt_tools, plan.parser,
                                                  template_kwargs(body))
+    prompt_ids = frontend.prompts.truncate(prompt_ids, body.truncate_prompt_tokens)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = frontend.prompts.max_tokens_for(len(prompt_ids), requested, "messages")
     parameters = sampling_parameters(body, max_tokens=max_tokens, logprobs=top_logprobs,

@@ -57,16 +57,18 @@ def beam_search_options(body: CompletionRequest) -> dict:
             "early_stopping": body.early_stopping}
 
 
-def completion_logprobs(entries: list[list[TokenLogprob]], offset: int) -> CompletionLogprobs:
+def completion_logprobs(entries: list[list[TokenLogprob]], offset: int, top: int) -> CompletionLogprobs:
     """OpenAI's legacy shape: the sampled (or echoed prompt) tokens, their logprobs, the top-N per
-    position; an echoed prompt's first token has no logprob (None, as in vLLM)."""
+    position (none for `logprobs: 0`, which asks for the sampled tokens' logprobs alone); an echoed
+    prompt's first token has no logprob (None, as in vLLM)."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for position in entries:
         sampled = position[0]
         tokens.append(sampled.token)
         unscored = sampled.logprob is None
         token_logprobs.append(None if unscored else logprob_value(sampled.logprob))
-        top_logprobs.append(None if unscored else {entry.token: logprob_value(entry.logprob) for entry in position})
+        top_logprobs.append(None if unscored else {entry.token: logprob_value(entry.logprob) for entry in position}
+                            if top else {})
         text_offset.append(offset)
         offset += len(sampled.token)
     return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs,
@@ -96,6 +98,7 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
                for p in items]
     if not prompts or not all(prompts):
         raise invalid("prompt", "prompt: must not be empty")
+    prompts = [frontend.prompts.truncate(ids, body.truncate_prompt_tokens) for ids in prompts]
     structured = structured_outputs(body)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     parameters = [sampling_parameters(body, logprobs=body.logprobs, vocab_size=frontend.prompts.vocab_size,
@@ -138,13 +141,13 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
                     for index in range(prompt_index * body.n, (prompt_index + 1) * body.n):
                         logprobs = None
                         if body.logprobs is not None:
-                            logprobs = completion_logprobs(echo_entries(prompt_index), 0).model_dump()
+                            logprobs = completion_logprobs(echo_entries(prompt_index), 0, body.logprobs).model_dump()
                         offsets[index] = len(echoes[prompt_index])
                         yield chunk_event(index, echoes[prompt_index], logprobs, None)
                 for index, delta in news:
                     logprobs = None
                     if body.logprobs is not None:
-                        logprobs = completion_logprobs(delta.logprobs or [], offsets[index]).model_dump()
+                        logprobs = completion_logprobs(delta.logprobs or [], offsets[index], body.logprobs).model_dump()
                         offsets[index] += len(delta.text)
                     yield chunk_event(index, delta.text, logprobs, delta.finish_reason)
             if include_usage:
@@ -172,7 +175,7 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
     def logprobs_of(index: int, choice) -> CompletionLogprobs | None:
         if body.logprobs is None:
             return None
-        return completion_logprobs((echo_entries(index // body.n) if echoes else []) + choice.logprobs, 0)
+        return completion_logprobs((echo_entries(index // body.n) if echoes else []) + choice.logprobs, 0, body.logprobs)
 
     return CompletionResponse(
         id=response_id, created=created, model=body.model, usage=choices.usage(),

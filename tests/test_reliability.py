@@ -117,8 +117,12 @@ def model_name(model_path):
 def metrics(server: TritonServer, model: str = "llm") -> dict[str, float]:
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         lines = response.read().decode().splitlines()
-    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines
-            if line.startswith("vllm:") and f'model="{model}"' in line and "_bucket" not in line}
+    values: dict[str, float] = {}  # summed over labels (request_success_total's finished_reason)
+    for line in lines:
+        if line.startswith("vllm:") and f'model="{model}"' in line and "_bucket" not in line:
+            name = line.split("{")[0]
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
 
 
 def wait_idle(server: TritonServer, model: str = "llm", timeout: float = 20.0) -> dict[str, float]:

@@ -156,7 +156,8 @@ def generate(server: TritonServer, prompt: str | list[int] | None, params: dict 
 
 
 def metrics(server: TritonServer) -> dict[str, float]:
-    """The model's vllm:* series from the metrics port, keyed by name (and `le` for buckets)."""
+    """The model's vllm:* series from the metrics port, keyed by name (and `le` for buckets), summed
+    over their other labels."""
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         lines = response.read().decode().splitlines()
     values = {}
@@ -164,7 +165,8 @@ def metrics(server: TritonServer) -> dict[str, float]:
         if line.startswith("vllm:") and 'model="llm"' in line:
             name, labels = line.split("{", 1)
             le = [p for p in labels.split("}")[0].split(",") if p.startswith("le=")]
-            values[name + (f"{{{le[0]}}}" if le else "")] = float(line.rsplit(" ", 1)[1])
+            key = name + (f"{{{le[0]}}}" if le else "")  # other labels (finished_reason) summed
+            values[key] = values.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return values
 
 

@@ -128,7 +128,7 @@ class TritonPythonModel:
         report = model_config.get("parameters", {}).get("REPORT_CUSTOM_METRICS", {})
         if report.get("string_value", "true").lower() == "true":
             try:
-                self.metrics = MetricsExporter(self.engine.get_metrics(),
+                self.metrics = MetricsExporter(self.engine.get_metrics(take_observations=True),
                                                {"model": self.model_name, "version": args["model_version"]})
             except pb_utils.TritonModelException as error:  # e.g. tritonserver --allow-metrics=false
                 pb_utils.Logger.log_warn(f"[llm] metrics not exported: {error}")
@@ -373,7 +373,7 @@ class TritonPythonModel:
         """Only ever on the sender thread, so the exporter needs no lock."""
         if self.metrics is not None:
             try:
-                self.metrics.update(self.engine.get_metrics())
+                self.metrics.update(self.engine.get_metrics(take_observations=True))
             except Exception:
                 pb_utils.Logger.log_error(f"[llm] metrics update failed: {traceback.format_exc()}")
 

@@ -13,9 +13,11 @@ the old instance's metrics freed the series the new instance still wrote to: tri
 prometheus::Histogram::Observe under the Python backend's Metric::Observe, or its heap was
 corrupted (issue 31). Kept alive for the life of the stub process, the series outlives
 every instance, and the next instance's counters continue where the last one's stopped.
-An info gauge (`vllm:lora_requests_info`) carries its reading's labels: each new set of labels is a new
-series whose value is the time it was set, and the latest series is the current state (as vLLM
-exports it).
+A labelled series (`vllm:request_success_total{finished_reason="stop"}`) is one more Metric of its
+name's family. An info gauge (`vllm:lora_requests_info`) carries its reading's labels: each new set
+of labels is a new series whose value is the time it was set, and the latest series is the current
+state (as vLLM exports it). Histograms observe the values the engine observed (the registry hands
+them over with `take_observations`), so Triton's sums and buckets are the engine's.
 """
 
 from __future__ import annotations
@@ -34,44 +36,43 @@ def keep_forever(obj):
     _NEVER_DELETED.append(obj)
     return obj
 
+
 def exported_name(metric) -> str:
     return metric.name + "_total" if metric.kind == "counter" else metric.name
 
 
 class MetricsExporter:
+    """`readings` come from `engine.get_metrics(take_observations=True)`, first and every update."""
+
     def __init__(self, readings: list, labels: dict[str, str]) -> None:
-        self.families = {}
-        self.metrics = {}
-        self.previous = {}
+        self.families: dict[str, object] = {}  # by name: one family for all of a name's series
+        self.series: dict[tuple, object] = {}  # (name, labels) -> a Triton Metric
+        self.previous: dict[str, object] = {}  # by reading key
         self.labels = labels
-        self.info_series: dict[tuple, object] = {}  # (name, labels) -> an info gauge's series
         # pb_utils gains MetricFamily only once the stub runs, so look the kinds up here.
-        kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
-                 "histogram": pb_utils.MetricFamily.HISTOGRAM}
-        for reading in readings:
-            family = keep_forever(pb_utils.MetricFamily(
-                name=exported_name(reading), description=reading.description, kind=kinds[reading.kind]))
-            self.families[reading.name] = family
+        self.kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
+                      "histogram": pb_utils.MetricFamily.HISTOGRAM}
+        self.update(readings)
+
+    def _series(self, reading):
+        key = (reading.name, tuple(sorted(reading.labels.items())))
+        if key not in self.series:
+            family = self.families.get(reading.name)
+            if family is None:
+                family = self.families[reading.name] = keep_forever(pb_utils.MetricFamily(
+                    name=exported_name(reading), description=reading.description, kind=self.kinds[reading.kind]))
+            labels = {**self.labels, **reading.labels}
             if reading.kind == "histogram":
                 metric = family.Metric(labels=labels, buckets=list(reading.buckets))
             else:
                 metric = family.Metric(labels=labels)
-            self.metrics[reading.name] = keep_forever(metric)
-            self.previous[reading.name] = None
-        self.update(readings)
+            self.series[key] = keep_forever(metric)
+        return self.series[key]
 
     def update(self, readings: list) -> None:
         for reading in readings:
-            metric = self.metrics.get(reading.name)
-            if metric is None:
-                continue
-            before = self.previous[reading.name]
-            if reading.labels:
-                key = (reading.name, tuple(sorted(reading.labels.items())))
-                if key not in self.info_series:
-                    self.info_series[key] = keep_forever(
-                        self.families[reading.name].Metric(labels={**self.labels, **reading.labels}))
-                metric = self.info_series[key]
+            metric = self._series(reading)
+            before = self.previous.get(reading.key)
             if reading.kind == "gauge":
                 if before is None or reading.value != before.value:  # each call is an IPC round trip
                     metric.set(reading.value)
@@ -80,37 +81,11 @@ class MetricsExporter:
                 if increase > 0:
                     metric.increment(increase)
             else:
-                for value in new_observations(before, reading):
+                for value in reading.observations:
                     metric.observe(value)
-            self.previous[reading.name] = reading
+            self.previous[reading.key] = reading
 
     def close(self) -> None:
         """Stop updating; the Triton objects stay alive (see the module's docstring)."""
-        self.metrics.clear()
+        self.series.clear()
         self.families.clear()
-
-
-def new_observations(before, after) -> list[float]:
-    """Values that, observed, move a histogram from `before` to `after` (None: empty).
-
-    The engine's histogram holds only bucket counts and a sum, so the exact values are gone. Each
-    new observation is placed inside its own bucket, all at the same relative position, chosen so
-    that their sum equals the engine's: bucket counts, count and sum all come out exact.
-    """
-    counts = [c - (before.bucket_counts[i] if before else 0) for i, c in enumerate(after.bucket_counts)]
-    # bucket_counts are cumulative (one per bound, then +Inf); per-bucket counts are differences.
-    per_bucket = [counts[0]] + [counts[i] - counts[i - 1] for i in range(1, len(counts))]
-    bounds = [0.0, *after.buckets]
-    spans = []  # (low, high) per new observation; high None for the +Inf bucket
-    for i, count in enumerate(per_bucket):
-        high = after.buckets[i] if i < len(after.buckets) else None
-        spans += [(bounds[i], high)] * max(count, 0)
-    if not spans:
-        return []
-    total = after.sum - (before.sum if before else 0.0)
-    low_sum = sum(low for low, _ in spans)
-    high_sum = sum(low if high is None else high for low, high in spans)
-    share = 1.0 if high_sum <= low_sum else min(1.0, max(1e-9, (total - low_sum) / (high_sum - low_sum)))
-    unbounded = sum(1 for _, high in spans if high is None)
-    overflow = max(0.0, total - high_sum) / unbounded if unbounded else 0.0
-    return [low + max(overflow, 1e-6) if high is None else low + share * (high - low) for low, high in spans]
