@@ -61,10 +61,10 @@ def tokenize(frontend, body: TokenizeRequest) -> TokenizeResponse:
             ids = prompts.encode(body.prompt)
     else:
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
-        _, ids = prompts.render_chat(template_messages(body.messages), body.add_generation_prompt,
-                                     body.continue_final_message, tools or None)
-        if body.add_special_tokens:  # the tokenizer's own (a BOS for some; the template wrote the rest)
-            ids = prompts.tokenizer.build_inputs_with_special_tokens(ids)
+        text, ids = prompts.render_chat(template_messages(body.messages), body.add_generation_prompt,
+                                        body.continue_final_message, tools or None)
+        if body.add_special_tokens:  # the rendered text with the tokenizer's own (a BOS for some), as vLLM
+            ids = prompts.tokenizer(text, add_special_tokens=True).input_ids
     strings = prompts.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=prompts.max_model_len, tokens=ids, token_strs=strings)
 

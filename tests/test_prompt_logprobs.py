@@ -206,6 +206,8 @@ def test_tokenize_and_detokenize(model_path, tokenizer):
         expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert chat["tokens"] == tokenizer(expected, add_special_tokens=False).input_ids
         assert chat["token_strs"] is None
+        special = post("/tokenize", {"model": model, "messages": messages, "add_special_tokens": True})
+        assert special["tokens"] == tokenizer(expected, add_special_tokens=True).input_ids
         bare = post("/tokenize", {"messages": messages, "add_generation_prompt": False})
         assert chat["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < chat["count"]
         for path, body, status, param in [("/tokenize", {"prompt": "x", "messages": messages}, 400, None),

@@ -463,7 +463,7 @@ FRONTEND_BAD_INPUTS = [
     ("n 10^9", "completions", completion(n=10**9), 400, "n", "less than or equal to 128"),
     ("max_tokens 10^12", "completions", completion(max_tokens=10**12), 400, "prompt", "maximum context length"),
     ("max_tokens 2^70", "chat/completions", chat(max_tokens=2**70), 400, "messages", "maximum context length"),
-    ("max_tokens -1", "completions", completion(max_tokens=-1), 400, "max_tokens", "greater than or equal to 1"),
+    ("max_tokens -1", "completions", completion(max_tokens=-1), 400, "max_tokens", "greater than or equal to 0"),
     ("logprobs 6", "completions", completion(logprobs=6), 400, "logprobs", "less than or equal to 5"),
     ("top_logprobs 21", "chat/completions", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs",
      "less than or equal to 20"),
