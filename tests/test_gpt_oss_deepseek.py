@@ -14,7 +14,7 @@ from backend.kernels.prefill_attention import paged_attention_prefill
 
 from backend import LLM, SamplingParams
 from tests.test_kernels import DEVICE, NUM_KV_HEADS, TOLERANCE, block_tables_for, paged_cache
-from tests.test_model_families import PROMPTS, VOCAB, hf_greedy
+from tests.test_model_families import PROMPTS, VOCAB, assert_greedy_matches_hf, hf_greedy, save_random
 
 
 @pytest.mark.parametrize("window", [None, 16, 40])
@@ -102,37 +102,16 @@ CASES = {
 
 
 def tiny(name: str, path) -> torch.nn.Module:
-    """A random model saved to path, every parameter perturbed (norm weights, biases and sinks far
-    from their init, so a dropped term shows); the reference in float32, eager attention."""
     import transformers
 
     prefix, options = CASES[name]
-    config = getattr(transformers, f"{prefix}Config")(**options)
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{prefix}ForCausalLM")._from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * (0.3 if param.dim() == 1 else 0.02))
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek's: a buffer, zero at init
-                buffer.add_(torch.randn_like(buffer) * 0.3)
-    model.eval().save_pretrained(path)
-    return model
+    return save_random(getattr(transformers, f"{prefix}Config")(**options),
+                       getattr(transformers, f"{prefix}ForCausalLM"), path)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_family_matches_hf(tmp_path, name):
-    model = tiny(name, tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
-              max_num_batched_tokens=16, max_num_seqs=4)
-    max_tokens = 12
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1))
-    for output, prompt in zip(outputs, PROMPTS):
-        completion = output.outputs[0]
-        tokens, logprobs = hf_greedy(model, prompt, max_tokens)
-        assert completion.token_ids == tokens, name
-        ours = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
-        assert ours == pytest.approx(logprobs, abs=1e-4), name
+    assert_greedy_matches_hf(tiny(name, tmp_path), tmp_path, name)
 
 
 def test_latent_kv_cache_bytes_per_token(tmp_path):

@@ -64,17 +64,25 @@ FAMILIES = ["llama-untied", "llama-tied-bias", "llama3-rope", "mistral-window", 
             "gemma2", "gemma3", "phi3", "phi4-mini", "olmo2", "granite"]
 
 
-def tiny_model(name: str, path, **overrides) -> torch.nn.Module:
-    """A random model of the family saved to path; the reference model in float32, eager attention."""
-    config, model_class = family(name, **overrides)
+def save_random(config, model_class, path) -> torch.nn.Module:
+    """A random model saved to path, every parameter perturbed (norm weights, biases, sinks and
+    DeepSeek's routing-correction buffer far from their init, so a dropped term shows); the
+    reference model in float32, eager attention. Shared by the MoE and latent-attention tests."""
     torch.manual_seed(0)
     model = model_class._from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for param in model.parameters():
-            scale = 0.3 if param.dim() == 1 else 0.02  # norms and biases far from their init
-            param.add_(torch.randn_like(param) * scale)
+            param.add_(torch.randn_like(param) * (0.3 if param.dim() == 1 else 0.02))
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):  # DeepSeek's: a buffer, zero at init
+                buffer.add_(torch.randn_like(buffer) * 0.3)
     model.eval().save_pretrained(path)
     return model
+
+
+def tiny_model(name: str, path, **overrides) -> torch.nn.Module:
+    """A random model of the family saved to path (see save_random)."""
+    return save_random(*family(name, **overrides), path)
 
 
 def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
@@ -89,13 +97,11 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], lis
 PROMPTS = [[(7 * i + 3 * j) % (VOCAB - 3) + 3 for j in range(n)] for i, n in enumerate([6, 37])]
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_family_matches_hf(tmp_path, name):
-    model = tiny_model(name, tmp_path)
-    # Chunks of 16 tokens: prompts longer than the window are prefilled across several steps.
-    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
+def assert_greedy_matches_hf(model, path, name: str, max_tokens: int = 12) -> None:
+    """Our float32 greedy tokens and their log-probabilities against Hugging Face's, for PROMPTS.
+    Chunks of 16 tokens: prompts longer than a window are prefilled across several steps."""
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
               max_num_batched_tokens=16, max_num_seqs=4)
-    max_tokens = 12
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1))
     for output, prompt in zip(outputs, PROMPTS):
         completion = output.outputs[0]
@@ -104,6 +110,11 @@ def test_family_matches_hf(tmp_path, name):
         # Log-probabilities see what greedy tokens cannot: a final soft cap, Granite's logits scaling.
         ours = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
         assert ours == pytest.approx(logprobs, abs=1e-4), name
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_matches_hf(tmp_path, name):
+    assert_greedy_matches_hf(tiny_model(name, tmp_path), tmp_path, name)
 
 
 @pytest.mark.parametrize("name", ["qwen3-bias", "phi3"])

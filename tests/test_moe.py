@@ -17,7 +17,7 @@ from backend import LLM, SamplingParams
 from backend.models.layers.moe import (MoEArgs, Router, SparseMoE, grouped_experts, per_token_experts,
                                        sparse_layers)
 from backend.parallel_state import ParallelState
-from tests.test_model_families import PROMPTS, SHAPE, WINDOW, hf_greedy
+from tests.test_model_families import PROMPTS, SHAPE, WINDOW, hf_greedy, save_random
 
 MOE_SHAPE = dict(num_experts_per_tok=2, initializer_range=0.3)
 
@@ -47,15 +47,7 @@ MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe"]
 
 
 def tiny_moe(name: str, path, **overrides) -> torch.nn.Module:
-    config, model_class = moe_family(name, **overrides)
-    torch.manual_seed(0)
-    model = model_class._from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for param in model.parameters():
-            scale = 0.3 if param.dim() == 1 else 0.02  # norms and biases far from their init
-            param.add_(torch.randn_like(param) * scale)
-    model.eval().save_pretrained(path)
-    return model
+    return save_random(*moe_family(name, **overrides), path)
 
 
 def greedy_tokens(path, max_tokens=12, **options) -> list:
