@@ -5,9 +5,6 @@ openai SDK) on a real `tritonllm serve`."""
 from __future__ import annotations
 
 import functools
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -103,34 +100,10 @@ def test_too_long_a_request_is_refused(llm):
 # -- served: tritonclient and the openai SDK against one `tritonllm serve` -------------------------
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory, model_path):
-    from tools.triton_server import free_port
-    from tests.test_openai_frontend import API_KEY, Serve, ready
-    from tools.prepare_embeddings import prepare_embeddings
-    prepare_embeddings()  # serve loads the embeddings model too
-    work = tmp_path_factory.mktemp("beam_serve")
-    ports = {name: free_port() for name in ("port", "http-port", "grpc-port", "metrics-port")}
-    command = [sys.executable, "-m", "tools.cli", "serve", "--model", model_path, "--dtype", "float32",
-               "--kv-cache-memory-bytes", str(128 << 20), "--max-model-len", str(MAX_MODEL_LEN),
-               "--api-key", API_KEY, "--workdir", str(work)]
-    command += [f"--{name}={port}" for name, port in ports.items()]
-    log = work / "serve.log"
-    with open(log, "wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-    served = Serve(f"http://127.0.0.1:{ports['port']}", f"127.0.0.1:{ports['grpc-port']}", "")
-    try:
-        deadline = time.monotonic() + 300
-        while not ready(f"{served.url}/health"):
-            assert process.poll() is None and time.monotonic() < deadline, \
-                f"tritonllm serve did not come up:\n{log.read_text(errors='replace')[-3000:]}"
-            time.sleep(0.5)
+    from tests.test_openai_frontend import running_serve
+    with running_serve(model_path, tmp_path_factory.mktemp("beam_serve"), kv_cache_bytes=128 << 20,
+                       max_model_len=MAX_MODEL_LEN) as served:
         yield served
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def triton_beams(serve, prompt: str, params: dict, **flags):

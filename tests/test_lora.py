@@ -258,49 +258,15 @@ def serve(tmp_path_factory, model_path, adapters):
     """Triton (llm + embeddings) and the OpenAI frontend, serving both adapters by name, with
     vLLM's runtime load/unload endpoints opted into (behind the API key)."""
     import os
-    import signal
-    import subprocess
-    import sys
-    import time
 
-    import httpx
+    from tests.test_openai_frontend import running_serve
 
-    from tools.prepare_embeddings import prepare_embeddings
-    from tools.triton_server import free_port
-
-    prepare_embeddings()
-    work = tmp_path_factory.mktemp("serve_lora")
-    ports = {name: free_port() for name in ("port", "http-port", "grpc-port", "metrics-port")}
-    command = [sys.executable, "-m", "tools.cli", "serve", "--model", model_path, "--dtype", "float32",
-               "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "512", "--api-key", API_KEY,
-               "--workdir", str(work), "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-               "--lora-modules", *(f"{name}={lora.lora_path}" for name, lora in adapters.items())]
-    command += [f"--{name}={port}" for name, port in ports.items()]
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
-    log = work / "serve.log"
-    with open(log, "wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
-    urls = {"openai": f"http://127.0.0.1:{ports['port']}", "grpc": f"127.0.0.1:{ports['grpc-port']}",
-            "metrics": f"http://127.0.0.1:{ports['metrics-port']}/metrics"}
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{urls['openai']}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, \
-                f"tritonllm serve did not come up:\n{log.read_text(errors='replace')[-3000:]}"
-            time.sleep(0.5)
-        yield urls
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    flags = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+             "--lora-modules", *(f"{name}={lora.lora_path}" for name, lora in adapters.items())]
+    with running_serve(model_path, tmp_path_factory.mktemp("serve_lora"), *flags, kv_cache_bytes=64 << 20,
+                       max_model_len=512, api_key=API_KEY,
+                       env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}) as served:
+        yield {"openai": served.url, "grpc": served.grpc_url, "metrics": served.metrics_url}
 
 
 def triton_generate(url: str, prompt: str, params: dict) -> str:

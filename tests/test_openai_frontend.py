@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import signal
 import subprocess
@@ -16,7 +17,9 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -67,36 +70,45 @@ class Serve:
     metrics_url: str  # Triton's, where the llm model exports the engine's metrics
 
 
-@pytest.fixture(scope="module")
-def serve(tmp_path_factory, model_path):
-    """`tritonllm serve` as users run it: Triton (llm + embeddings) and the frontend, on free ports."""
+@contextlib.contextmanager
+def running_serve(model_path: str, work: Path, *flags: str, kv_cache_bytes: int = 256 << 20,
+                  max_model_len: int = MAX_MODEL_LEN, api_key: str = API_KEY, env: dict | None = None,
+                  start_timeout: float = 300, stop_timeout: float = 60) -> Iterator[Serve]:
+    """`tritonllm serve` as users run it: Triton (llm + embeddings) and the frontend, on free ports,
+    with `flags` added; stopped with SIGINT (serve stops the frontend, then Triton). Every served
+    test file starts its server through this."""
     from tools.prepare_embeddings import prepare_embeddings
     prepare_embeddings()  # fetched here, not by the Triton model while it loads
-    work = tmp_path_factory.mktemp("serve")
     ports = {name: free_port() for name in ("port", "http-port", "grpc-port", "metrics-port")}
     command = [sys.executable, "-m", "tools.cli", "serve", "--model", model_path, "--dtype", "float32",
-               "--kv-cache-memory-bytes", str(256 << 20), "--max-model-len", str(MAX_MODEL_LEN),
-               "--api-key", API_KEY, "--workdir", str(work)]
+               "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-model-len", str(max_model_len),
+               "--api-key", api_key, "--workdir", str(work), *flags]
     command += [f"--{name}={port}" for name, port in ports.items()]
     log = work / "serve.log"
     with open(log, "wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
     served = Serve(f"http://127.0.0.1:{ports['port']}", f"127.0.0.1:{ports['grpc-port']}",
                    f"http://127.0.0.1:{ports['metrics-port']}/metrics")
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + start_timeout
         while not ready(f"{served.url}/health"):
             assert process.poll() is None and time.monotonic() < deadline, \
                 f"tritonllm serve did not come up:\n{log.read_text(errors='replace')[-3000:]}"
             time.sleep(0.5)
         yield served
     finally:
-        process.send_signal(signal.SIGINT)  # serve stops the frontend, then Triton
+        process.send_signal(signal.SIGINT)
         try:
-            process.wait(60)
+            process.wait(stop_timeout)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory, model_path):
+    with running_serve(model_path, tmp_path_factory.mktemp("serve")) as served:
+        yield served
 
 
 def ready(url: str) -> bool:

@@ -12,16 +12,11 @@ with empty top_logprobs; models are owned by "tritonllm"; /metrics is the fronte
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
-from tests.test_openai_frontend import API_KEY, AUTH, MAX_MODEL_LEN, Serve, model_name, ready  # noqa: F401
-from tools.triton_server import free_port
+from tests.test_openai_frontend import API_KEY, AUTH, MAX_MODEL_LEN, model_name, running_serve  # noqa: F401
 
 PROMPT = "What is machine learning?"
 MESSAGES = [{"role": "user", "content": PROMPT}]
@@ -33,32 +28,9 @@ START_TIMEOUT_S = 900  # two models load on a shared CPU
 def serve(tmp_path_factory, model_path):
     """`tritonllm serve` (Triton with the llm and embeddings models, and the frontend), as
     test_openai_frontend.py starts it."""
-    from tools.prepare_embeddings import prepare_embeddings
-    prepare_embeddings()
-    work = tmp_path_factory.mktemp("suite")
-    ports = {name: free_port() for name in ("port", "http-port", "grpc-port", "metrics-port")}
-    command = [sys.executable, "-m", "tools.cli", "serve", "--model", model_path, "--dtype", "float32",
-               "--kv-cache-memory-bytes", str(128 << 20), "--max-model-len", str(MAX_MODEL_LEN),
-               "--api-key", API_KEY, "--workdir", str(work), *(f"--{name}={port}" for name, port in ports.items())]
-    log = work / "serve.log"
-    with open(log, "wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-    served = Serve(f"http://127.0.0.1:{ports['port']}", f"127.0.0.1:{ports['grpc-port']}",
-                   f"http://127.0.0.1:{ports['metrics-port']}/metrics")
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready(f"{served.url}/health"):
-            assert process.poll() is None and time.monotonic() < deadline, \
-                f"tritonllm serve did not come up:\n{log.read_text(errors='replace')[-3000:]}"
-            time.sleep(0.5)
+    with running_serve(model_path, tmp_path_factory.mktemp("suite"), kv_cache_bytes=128 << 20,
+                       start_timeout=START_TIMEOUT_S, stop_timeout=120) as served:
         yield served
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="module")
