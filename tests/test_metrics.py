@@ -19,8 +19,8 @@ from transformers import AutoTokenizer
 
 from backend.metrics import (ITERATION_TOKENS_BUCKETS, N_BUCKETS, REQUEST_LATENCY_BUCKETS, MetricsRegistry,
                              buckets_1_2_5)
-from tests.test_triton_model import Stream, is_final, make_inputs
-from tools.triton_server import TritonServer, free_port, write_model_repository
+from tests.test_triton_model import Stream, is_final, llm_server, make_inputs
+from tools.triton_server import TritonServer
 
 MAX_MODEL_LEN = 512
 SERIES = re.compile(r'^(vllm:[^{ ]+)\{([^}]*)\} (\S+)$')
@@ -50,20 +50,10 @@ def test_buckets_1_2_5_stop_at_the_limit():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_path):
-    work = tmp_path_factory.mktemp("metrics")
-    repository = write_model_repository(work / "repository", {
-        "model": model_path, "dtype": "float32", "kv_cache_memory_bytes": 64 << 20,
-        "max_model_len": MAX_MODEL_LEN})
-    server = TritonServer(repository, work, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port(), log_file=work / "triton.log",
-                          extra_args=["--exit-timeout-secs=60", "--model-control-mode=explicit",
-                                      "--load-model=llm"])
-    server.start()
-    try:
-        server.wait_ready(300)
+    engine_args = {"model": model_path, "dtype": "float32", "kv_cache_memory_bytes": 64 << 20,
+                   "max_model_len": MAX_MODEL_LEN}
+    with llm_server(tmp_path_factory.mktemp("metrics"), engine_args, exit_timeout_s=60) as server:
         yield server
-    finally:
-        assert server.stop() == 0, "tritonserver did not exit cleanly"
 
 
 def scrape(server: TritonServer) -> dict[tuple, float]:

@@ -182,13 +182,14 @@ def settled_metrics(server: TritonServer) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def llm_server(work: Path, engine_args: dict, clean_exit: bool = True):
+def llm_server(work: Path, engine_args: dict, clean_exit: bool = True, exit_timeout_s: int = 5):
     """A tritonserver serving only `llm` with these engine arguments, stopped on leaving (and
     required to exit cleanly unless clean_exit is False)."""
     repository = write_model_repository(work / "repository", engine_args)
     server = TritonServer(repository, work, http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), log_file=work / "triton.log",
-                          extra_args=["--exit-timeout-secs=5", "--model-control-mode=explicit", "--load-model=llm"])
+                          extra_args=[f"--exit-timeout-secs={exit_timeout_s}", "--model-control-mode=explicit",
+                                      "--load-model=llm"])
     server.start()
     try:
         server.wait_ready(300)
