@@ -14,7 +14,8 @@ from backend.kernels.prefill_attention import paged_attention_prefill
 
 from backend import LLM, SamplingParams
 from tests.test_kernels import DEVICE, NUM_KV_HEADS, TOLERANCE, block_tables_for, paged_cache
-from tests.test_model_families import PROMPTS, VOCAB, assert_greedy_matches_hf, hf_greedy, save_random
+from tests.test_model_families import (PROMPTS, VOCAB, assert_greedy_matches_hf, assert_tensor_parallel_matches_hf,
+                                       hf_greedy, save_random)
 
 
 @pytest.mark.parametrize("window", [None, 16, 40])
@@ -155,12 +156,4 @@ def test_family_on_triton_kernels(tmp_path, name):
 def test_tensor_parallel_matches_hf(tmp_path, name):
     """tp=2 over gloo: gpt-oss's sinks split with their heads; DeepSeek's heads (q_b_proj, kv_b_proj)
     split while every rank keeps the whole latent; experts split along their intermediate size."""
-    model = tiny(name, tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
-              tensor_parallel_size=2)
-    try:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    finally:
-        llm.shutdown()
-    for output, prompt in zip(outputs, PROMPTS):
-        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 8)[0], name
+    assert_tensor_parallel_matches_hf(tiny(name, tmp_path), tmp_path, name)

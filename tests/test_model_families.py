@@ -121,15 +121,19 @@ def test_family_matches_hf(tmp_path, name):
 def test_tensor_parallel_family_matches_hf(tmp_path, name):
     """tp=2 over gloo: per-head q/k norms replicated, q/k/v biases split with their heads, o_proj's
     bias added once (rank 0's); Phi-3's fused qkv_proj / gate_up_proj split before sharding."""
-    model = tiny_model(name, tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
+    assert_tensor_parallel_matches_hf(tiny_model(name, tmp_path), tmp_path, name)
+
+
+def assert_tensor_parallel_matches_hf(model, path, name: str, max_tokens: int = 8) -> None:
+    """tp=2 over gloo: our greedy tokens for PROMPTS against Hugging Face's."""
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
               tensor_parallel_size=2)
     try:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     finally:
         llm.shutdown()
     for output, prompt in zip(outputs, PROMPTS):
-        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 8)[0], name
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, max_tokens)[0], name
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):

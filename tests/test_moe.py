@@ -17,7 +17,7 @@ from backend import LLM, SamplingParams
 from backend.models.layers.moe import (MoEArgs, Router, SparseMoE, grouped_experts, per_token_experts,
                                        sparse_layers)
 from backend.parallel_state import ParallelState
-from tests.test_model_families import PROMPTS, SHAPE, WINDOW, hf_greedy, save_random
+from tests.test_model_families import PROMPTS, SHAPE, WINDOW, assert_tensor_parallel_matches_hf, hf_greedy, save_random
 
 MOE_SHAPE = dict(num_experts_per_tok=2, initializer_range=0.3)
 
@@ -98,15 +98,7 @@ def test_fused_expert_checkpoint_layout_loads_the_same(tmp_path):
 def test_moe_tensor_parallel_matches_hf(tmp_path):
     """tp=2 over gloo: every expert and the shared expert split along their intermediate dim, the
     router replicated, one all-reduce after the layer."""
-    model = tiny_moe("qwen2-moe", tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
-              tensor_parallel_size=2)
-    try:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    finally:
-        llm.shutdown()
-    for output, prompt in zip(outputs, PROMPTS):
-        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 8)[0]
+    assert_tensor_parallel_matches_hf(tiny_moe("qwen2-moe", tmp_path), tmp_path, "qwen2-moe")
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
