@@ -82,15 +82,12 @@ class LoRABatch:
             a[1] == b[0] for a, b in zip(self.segments, self.segments[1:]))
         if tiled:  # the common decode step: equal runs back to back, x's rows as they are
             return CPULayout(first, num, length, slots, None, None, None)
-        gather: list[int] = []
-        valid: list[int] = []
-        tokens: list[int] = []
-        for i, (start, end, _) in enumerate(self.segments):
-            rows = list(range(start, end))
-            gather += rows + [start] * (length - len(rows))  # padding repeats a real row; never added back
-            valid += range(i * length, i * length + len(rows))
-            tokens += rows
-        return CPULayout(first, num, length, slots, torch.tensor(gather), torch.tensor(valid), torch.tensor(tokens))
+        # Per segment, `length` rows: its own, then its last repeated (padding, never added back).
+        gather = torch.cat([torch.arange(start, start + length).clamp(max=end - 1) for start, end, _ in self.segments])
+        valid = torch.cat([torch.arange(i * length, i * length + end - start)
+                           for i, (start, end, _) in enumerate(self.segments)])
+        tokens = torch.cat([torch.arange(start, end) for start, end, _ in self.segments])
+        return CPULayout(first, num, length, slots, gather, valid, tokens)
 
     @classmethod
     def build(cls, rows: list[tuple[int, int]], device: torch.device) -> "LoRABatch | None":
