@@ -29,7 +29,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES, HEADERS = [CSRC / "cpu_ops.cpp", CSRC / "cpu_linear.cpp"], [CSRC / "vectors.h"]
+SOURCES, HEADERS = [CSRC / "cpu_ops.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_moe.cpp"], [CSRC / "vectors.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
 PORTABLE_FLAGS = ["-mno-avx512bf16"]
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -99,6 +99,8 @@ def _library() -> ctypes.CDLL | None:
         library.pack_linear_bf16.argtypes, library.pack_linear_bf16.restype = [ptr, ptr, i64, i64, flag], None
         library.linear_bf16.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, flag, flag]
         library.linear_bf16.restype = None
+        library.moe_experts_bf16.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64]
+        library.moe_experts_bf16.restype = None
     return library
 
 
@@ -293,6 +295,8 @@ def pack_linears(model: nn.Module, batch_size_hint: int) -> None:
     """Swap every bfloat16 nn.Linear of a CPU model for a PackedLinear (float32 keeps MKL's
     sgemm, which the exactness tests hold to Hugging Face); a `gate_up_proj` packs gated."""
     for module in list(model.modules()):
+        if getattr(module, "keeps_linears_unpacked", False):  # MoE experts on their own kernel (layers/moe.py)
+            continue
         for name, child in module.named_children():
             if (isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu"
                     and (own_kernel_takes(child) or onednn_packing())):

@@ -352,3 +352,63 @@ def test_moe_model_greedy_tokens_unchanged_on_triton_kernels(tmp_path):
             on_triton = generate("cpu")
     assert on_triton == on_torch
     assert on_torch == [hf_greedy(model, prompt, 6)[0] for prompt in PROMPTS]
+
+
+# -- the CPU MoE kernel (backend/csrc/cpu_moe.cpp), bfloat16 at a few tokens -------------------------------------
+def needs_cpu_moe_kernel():
+    from backend.models.layers.moe import cpu_moe_kernel_available
+
+    if not cpu_moe_kernel_available():
+        pytest.skip("the CPU MoE kernel is not built here (no compiler, no AVX512-BF16, or TRITONLLM_CPU_KERNELS=0)")
+
+
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (4, 2), (13, 3), (37, 2)])
+@pytest.mark.parametrize("hidden,intermediate", [(64, 32), (48, 40)])  # 48, 40: partial vectors and blocks
+def test_cpu_moe_kernel_matches_reference_on_uneven_loads(num_tokens, top_k, hidden, intermediate):
+    from backend.models.layers.moe import cpu_moe_experts
+
+    needs_cpu_moe_kernel()
+    torch.manual_seed(0)
+    num_experts = 8
+    x = torch.randn(num_tokens, hidden).bfloat16()
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden) * 0.2).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, intermediate) * 0.2).bfloat16()
+    ids = uneven_routing(num_tokens, num_experts, top_k)
+    weights = torch.rand(num_tokens, top_k)
+    expected = reference.fused_moe_reference(x, w13, w2, weights, ids)
+    out = cpu_moe_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out, expected, atol=6e-2, rtol=2e-2)  # a bfloat16 unit at |y| ~ 4-8
+    # Mostly bit for bit: only the float32 sums' order differs from torch's GEMMs.
+    assert (out == expected).float().mean() > 0.5
+
+
+def test_moe_layer_runs_the_cpu_kernel_at_small_bfloat16_batches():
+    """In bfloat16 the routed experts' linears stay unpacked (the kernel reads them), the kernel runs
+    up to its crossover and the grouped path above it, on the same stacked weights, both matching
+    the per-token loop; a layer whose experts carry biases keeps packed linears and the grouped path."""
+    from backend import cpu_ops
+    from backend.models.layers import moe as moe_module
+
+    needs_cpu_moe_kernel()
+    moe = MoEArgs(num_experts=8, top_k=2, intermediate_size=64, sparse_layers=(True,), norm_topk_prob=True,
+                  shared_intermediate_size=32)
+    layer = random_moe(moe, hidden=64).to(torch.bfloat16)
+    cpu_ops.pack_linears(layer, 4)
+    assert type(layer.experts[0].gate_up_proj) is torch.nn.Linear
+    assert type(layer.shared_expert.gate_up_proj) is not torch.nn.Linear or not cpu_ops.onednn_packing()
+    largest = moe_module.CPU_KERNEL_MAX_PAIRS_PER_EXPERT * moe.num_experts // moe.top_k
+    for num_tokens in (1, 5, largest, largest + 1, 3 * largest):
+        x = torch.randn(num_tokens, 64).bfloat16()
+        weights, ids = layer.gate(x)
+        assert layer.cpu_kernel_takes(x, ids) == (num_tokens <= largest)
+        expected = per_token_experts(x, weights, ids, layer.experts)
+        torch.testing.assert_close(layer.routed_experts(x, weights, ids), expected, atol=6e-2, rtol=2e-2)
+    assert layer.experts[3].gate_up_proj.weight.data_ptr() == layer.stacked[0][3].data_ptr()
+
+    biased = random_moe(MoEArgs(num_experts=4, top_k=2, intermediate_size=32, sparse_layers=(True,),
+                                expert_bias=True), hidden=64).to(torch.bfloat16)
+    cpu_ops.pack_linears(biased, 4)
+    x = torch.randn(3, 64).bfloat16()
+    weights, ids = biased.gate(x)
+    assert not biased.cpu_kernel_takes(x, ids)
+    torch.testing.assert_close(biased.routed_experts(x, weights, ids), per_token_experts(x, weights, ids, biased.experts))

@@ -1,13 +1,15 @@
 """Mixture-of-experts speed on the CPU at a tiny-but-not-trivial shape (8 experts, top-2):
 
-1. the MoE layer's grouped path (tokens sorted by expert, one GEMM per expert) against a per-token
-   loop over the chosen experts, both on the packed linears the engine runs, for a prefill chunk and
-   a decode batch;
+1. the MoE layer's routed experts as the engine runs them (in bfloat16 at a few tokens one C++ call,
+   `backend/csrc/cpu_moe.cpp`; else grouped by expert, one GEMM per expert on plain linears), the
+   grouped path on oneDNN-packed linears, and a per-token loop over the chosen experts on those,
+   from a prefill chunk down to a single decode;
 2. decode throughput of a random Mixtral through the offline LLM against a dense Llama of the same
    active parameters per token (its MLP as wide as top-k experts together), paired runs.
 
     python -m tools.bench_moe --dtype bfloat16 --repeats 3
     python -m tools.bench_moe --threads 1   # on a shared machine: fewer stalls at thread barriers
+    python -m tools.bench_moe --threads 1 --num-seqs '' --num-tokens 64,48,32,24,16   # the kernel's crossover
 """
 
 from __future__ import annotations
@@ -31,8 +33,12 @@ def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def layer_timings(dtype: torch.dtype, num_tokens: int, repeats: int) -> tuple[float, float]:
-    """Seconds per call (median) of the grouped path and the per-token loop on num_tokens tokens."""
+def layer_timings(dtype: torch.dtype, num_tokens: int, repeats: int) -> dict[str, float]:
+    """Seconds per call (median) on num_tokens tokens of: the layer's routed experts as the engine
+    runs them ("layer": the C++ kernel where it takes the batch, else grouped on plain linears), the
+    grouped path on oneDNN-packed linears ("grouped") and the per-token loop on those ("loop")."""
+    import copy
+
     from backend import cpu_ops
     from backend.models.layers.moe import MoEArgs, SparseMoE, grouped_experts, per_token_experts
     from backend.parallel_state import ParallelState
@@ -45,17 +51,25 @@ def layer_timings(dtype: torch.dtype, num_tokens: int, repeats: int) -> tuple[fl
         for param in layer.parameters():
             param.normal_(0, 0.05)
     layer = layer.to(dtype).eval()
+    packed = copy.deepcopy(layer.experts)
+    for expert in packed:  # as pack_linears packs experts the kernel does not run
+        if expert.gate_up_proj.weight.dtype == torch.bfloat16 and cpu_ops.onednn_packing():
+            expert.gate_up_proj = cpu_ops.PackedLinear(expert.gate_up_proj, num_tokens, gated=True)
+            expert.down_proj = cpu_ops.PackedLinear(expert.down_proj, num_tokens)
     cpu_ops.pack_linears(layer, num_tokens)
     x = torch.randn(num_tokens, SHAPE["hidden_size"], dtype=dtype)
     weights, ids = layer.gate(x)
-    times: dict[str, list[float]] = {"grouped": [], "loop": []}
+    runs = {"layer": lambda: layer.routed_experts(x, weights, ids),
+            "grouped": lambda: grouped_experts(x, weights, ids, packed),
+            "loop": lambda: per_token_experts(x, weights, ids, packed)}
+    times: dict[str, list[float]] = {name: [] for name in runs}
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first round warms up
-            for name, run in (("grouped", grouped_experts), ("loop", per_token_experts)):
+            for name, run in runs.items():
                 start = time.perf_counter()
-                run(x, weights, ids, layer.experts)
+                run()
                 times[name].append(time.perf_counter() - start)
-    return median(times["grouped"][1:]), median(times["loop"][1:])
+    return {name: median(values[1:]) for name, values in times.items()}
 
 
 def build(kind: str, folder: Path) -> None:
@@ -75,6 +89,7 @@ def build(kind: str, folder: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-tokens", default="256,32,16,4,1", help="the layer's batch sizes, comma-separated")
     parser.add_argument("--num-seqs", default="1,4", help="decode batch sizes, comma-separated")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -85,17 +100,19 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     print(f"MoE layer, {NUM_EXPERTS} experts top-{TOP_K}, hidden {SHAPE['hidden_size']}, expert intermediate "
-          f"{EXPERT_INTERMEDIATE}, {args.dtype}: grouped by expert vs a per-token loop over experts")
-    for num_tokens in (256, 16, 4):
-        grouped, loop = layer_timings(dtype, num_tokens, max(args.repeats, 3))
-        print(f"  {num_tokens:4d} tokens  grouped {grouped * 1e3:8.2f} ms  loop {loop * 1e3:8.2f} ms  "
-              f"speed-up {loop / grouped:6.2f}x")
+          f"{EXPERT_INTERMEDIATE}, {args.dtype}: the engine's path (C++ kernel at a few bfloat16 tokens, else "
+          f"grouped by expert), grouped by expert on oneDNN-packed linears, a per-token loop over experts")
+    for num_tokens in (int(n) for n in args.num_tokens.split(",")):
+        t = layer_timings(dtype, num_tokens, max(args.repeats, 3))
+        print(f"  {num_tokens:4d} tokens  layer {t['layer'] * 1e3:7.3f} ms  grouped (oneDNN) {t['grouped'] * 1e3:7.3f} ms  "
+              f"loop {t['loop'] * 1e3:7.3f} ms  speed-up layer {t['loop'] / t['layer']:6.2f}x  "
+              f"grouped {t['loop'] / t['grouped']:6.2f}x")
 
     kinds = ("dense", "mixtral")
     with tempfile.TemporaryDirectory() as scratch:
         for kind in kinds:
             build(kind, Path(scratch) / kind)
-        for num_seqs in (int(n) for n in args.num_seqs.split(",")):
+        for num_seqs in (int(n) for n in args.num_seqs.split(",") if n):
             rates: dict[str, list[float]] = {kind: [] for kind in kinds}
             for _ in range(args.repeats):  # paired: each repeat runs both, in turn
                 for kind in kinds:

@@ -14,10 +14,14 @@ dense layers' machinery applies to experts unchanged: the CPU's packed bfloat16 
 them by name) and tensor-parallel sharding (`CausalLM.shard`, by the gate/up/down names). On the
 CPU, tokens are grouped by expert: the (token, expert) pairs are sorted by expert id, each expert
 runs one GEMM over its rows, and the weighted rows are added back per token with one index_add_
-(same per-token summation order as Hugging Face, experts ascending). On CUDA (or CPU tensors inside
-`ops.triton_kernels()`), the experts' weights are stacked once into [E, N, K] tensors (the nn.Linear
-weights become views of them, so nothing is held twice) and `ops.fused_moe` runs the fused Triton
-kernel (`backend/kernels/fused_moe.py`).
+(same per-token summation order as Hugging Face, experts ascending). In bfloat16 at a few tokens
+(a decode step), where those torch ops cost more in dispatch than in arithmetic, one C++ call does
+all of it instead (`backend/csrc/cpu_moe.cpp`, `cpu_moe_experts`); its experts' linears then stay
+plain nn.Linear (not packed for oneDNN), so the kernel and the grouped GEMMs of larger batches read
+the same single copy of the weights. On CUDA (or CPU tensors inside `ops.triton_kernels()`), the
+fused Triton kernel (`backend/kernels/fused_moe.py`, `ops.fused_moe`) runs instead. Both kernels take
+the experts' weights stacked once into [E, N, K] tensors (the nn.Linear weights become views of
+them, so nothing is held twice).
 
 Tensor parallelism shards every expert (and shared expert) along its intermediate dimension:
 gate/up column-parallel, down row-parallel, router replicated, so every rank routes identically, and
@@ -41,12 +45,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend import ops, parallel_state
+from backend import cpu_ops, ops, parallel_state
 from backend.errors import EngineError
 from backend.models.layers.activation import gated_activation
 from backend.parallel_state import ParallelState
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+# The C++ kernel runs while the (token, expert) pairs are at most this many per expert on average;
+# above, the grouped path's oneDNN GEMMs are faster (tools/bench_moe.py measures both).
+CPU_KERNEL_MAX_PAIRS_PER_EXPERT = 8
 
 
 @dataclass
@@ -95,14 +102,21 @@ class GatedMLP(nn.Module):
     """One expert (routed or shared): down(act(gate_up(x))), without the all-reduce (the MoE layer
     reduces once for all of them)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, moe: MoEArgs) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, moe: MoEArgs, routed: bool = False) -> None:
         super().__init__()
-        self.moe = moe
+        self.moe, self.routed = moe, routed
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(EXPERT_ACTIVATIONS[self.moe.activation](self.gate_up_proj, x, self.moe))
+
+    @property
+    def keeps_linears_unpacked(self) -> bool:
+        """A routed expert the CPU MoE kernel can run: `cpu_ops.pack_linears` leaves its linears
+        as they are (the kernel reads nn.Linear's layout)."""
+        return (self.routed and self.moe.activation == "silu" and not self.moe.expert_bias
+                and cpu_moe_kernel_available())
 
 
 class Router(nn.Module):
@@ -173,6 +187,24 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
+def cpu_moe_kernel_available() -> bool:
+    library = cpu_ops._library()
+    return library is not None and hasattr(library, "moe_experts_bf16")
+
+
+def cpu_moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+    """grouped_experts in one C++ call, bfloat16: SiLU-gated experts stacked as w13 [E, 2I, H] (gate
+    rows, then up rows) and w2 [E, H, I], both contiguous."""
+    x = x.contiguous()
+    weights, ids = weights.to(torch.float32).contiguous(), ids.to(torch.int64).contiguous()
+    out = torch.empty_like(x)
+    cpu_ops._library().moe_experts_bf16(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], w13.data_ptr(),
+                                        w2.data_ptr(), w13.shape[0], w2.shape[2], weights.data_ptr(),
+                                        ids.data_ptr(), ids.shape[1])
+    return out
+
+
 def per_token_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       experts: nn.ModuleList) -> torch.Tensor:
     """The naive loop the grouped path replaces (one call per token per chosen expert); the
@@ -198,7 +230,7 @@ class SparseMoE(nn.Module):
         self.moe, self.parallel = moe, parallel
         tp = parallel.tp_size
         self.gate = Router(hidden_size, moe)
-        self.experts = nn.ModuleList(GatedMLP(hidden_size, moe.intermediate_size // tp, moe.expert_bias, moe)
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, moe.intermediate_size // tp, moe.expert_bias, moe, routed=True)
                                      for _ in range(moe.num_experts))
         self.shared_expert = (GatedMLP(hidden_size, moe.shared_intermediate_size // tp, False, moe)
                               if moe.shared_intermediate_size else None)
@@ -207,11 +239,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        stacked = self.stack_experts() if ops.fused_moe_applies(x) else None
-        if stacked is not None:
-            out = ops.fused_moe(x, *stacked, weights, ids)
-        else:
-            out = grouped_experts(x, weights, ids, self.experts)
+        out = self.routed_experts(x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -219,11 +247,29 @@ class SparseMoE(nn.Module):
             out = out + shared
         return parallel_state.all_reduce(out, self.parallel)
 
+    def routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum over a token's k experts of weight * expert(x): on the fused Triton kernel where it
+        runs, the C++ kernel for a few bfloat16 tokens on the CPU, else grouped by expert."""
+        if ops.fused_moe_applies(x):
+            stacked = self.stack_experts()
+            if stacked is not None:
+                return ops.fused_moe(x, *stacked, weights, ids)
+        elif self.cpu_kernel_takes(x, ids):
+            return cpu_moe_experts(x, *self.stack_experts(), weights, ids)
+        return grouped_experts(x, weights, ids, self.experts)
+
+    def cpu_kernel_takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
+        return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < ids.numel()
+                <= CPU_KERNEL_MAX_PAIRS_PER_EXPERT * len(self.experts)
+                and self.experts[0].keeps_linears_unpacked and self.stack_experts() is not None
+                and self.stacked[0].dtype == torch.bfloat16)
+
     def stack_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(w13, w2) for the fused kernel, stacked once; the nn.Linear weights become views of the
         stacks. None where the kernel does not apply: biases, another activation, or experts that
-        are no longer plain nn.Linear (quantized)."""
-        if self.stacked is not None:
+        are no longer plain nn.Linear (quantized). Stacked again where the weights moved since (`.to()`)."""
+        first = self.experts[0].gate_up_proj
+        if self.stacked is not None and type(first) is nn.Linear and first.weight.data_ptr() == self.stacked[0].data_ptr():
             return self.stacked
         if self.moe.activation != "silu" or self.moe.expert_bias or not all(
                 type(e.gate_up_proj) is nn.Linear and type(e.down_proj) is nn.Linear for e in self.experts):
