@@ -10,6 +10,7 @@
     python -m tools.bench_moe --dtype bfloat16 --repeats 3
     python -m tools.bench_moe --threads 1   # on a shared machine: fewer stalls at thread barriers
     python -m tools.bench_moe --threads 1 --num-seqs '' --num-tokens 64,48,32,24,16   # the kernel's crossover
+    python -m tools.bench_moe --threads 1 --clock cpu   # on a loaded host: CPU seconds, not wall seconds
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from pathlib import Path
 
 import torch
 
-from tools.bench_families import decode_rate
 
 NUM_EXPERTS, TOP_K = 8, 2
 SHAPE = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
              head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False)
 EXPERT_INTERMEDIATE = 768
+
+
+clock = time.perf_counter  # --clock cpu: time.process_time
 
 
 def median(values: list[float]) -> float:
@@ -66,10 +69,32 @@ def layer_timings(dtype: torch.dtype, num_tokens: int, repeats: int) -> dict[str
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first round warms up
             for name, run in runs.items():
-                start = time.perf_counter()
+                start = clock()
                 run()
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
     return {name: median(values[1:]) for name, values in times.items()}
+
+
+def decode_rate(folder: Path, dtype: str, num_seqs: int, output_len: int) -> float:
+    """Output tokens per second (of `clock`) of num_seqs requests decoding together: a run of
+    output_len + 1 tokens less a run of 1 (the prefill), on a warm engine (tools/bench_families'
+    measure, on this file's clock)."""
+    from backend import LLM, SamplingParams
+
+    llm = LLM(str(folder), dtype=dtype, skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20,
+              max_num_seqs=num_seqs, enable_prefix_caching=False)
+    prompts = [[(7 * i + j) % 8000 + 3 for j in range(16)] for i in range(num_seqs)]
+
+    def timed(max_tokens: int) -> float:
+        start = clock()
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        return clock() - start
+
+    timed(2)  # warm-up
+    prefill = timed(1)
+    rate = num_seqs * output_len / (timed(output_len + 1) - prefill)
+    llm.shutdown()
+    return rate
 
 
 def build(kind: str, folder: Path) -> None:
@@ -94,7 +119,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: the process's CPU seconds, not wall seconds (with --threads 1 on a shared, "
+                             "loaded host: time spent waiting for a core is not counted)")
     args = parser.parse_args()
+    if args.clock == "cpu":
+        global clock
+        clock = time.process_time
     dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -103,7 +134,7 @@ def main() -> None:
           f"{EXPERT_INTERMEDIATE}, {args.dtype}: the engine's path (C++ kernel at a few bfloat16 tokens, else "
           f"grouped by expert), grouped by expert on oneDNN-packed linears, a per-token loop over experts")
     for num_tokens in (int(n) for n in args.num_tokens.split(",")):
-        t = layer_timings(dtype, num_tokens, max(args.repeats, 3))
+        t = layer_timings(dtype, num_tokens, 5 * max(args.repeats, 3))  # cheap: more repeats, steadier medians
         print(f"  {num_tokens:4d} tokens  layer {t['layer'] * 1e3:7.3f} ms  grouped (oneDNN) {t['grouped'] * 1e3:7.3f} ms  "
               f"loop {t['loop'] * 1e3:7.3f} ms  speed-up layer {t['loop'] / t['layer']:6.2f}x  "
               f"grouped {t['loop'] / t['grouped']:6.2f}x")
@@ -118,7 +149,7 @@ def main() -> None:
                 for kind in kinds:
                     rates[kind].append(decode_rate(Path(scratch) / kind, args.dtype, num_seqs, args.output_len))
             dense, mixtral = median(rates["dense"]), median(rates["mixtral"])
-            print(f"decode tok/s, {args.dtype}, {num_seqs} sequences x {args.output_len} tokens: dense (MLP "
+            print(f"decode tok/s ({args.clock} clock), {args.dtype}, {num_seqs} sequences x {args.output_len} tokens: dense (MLP "
                   f"{TOP_K * EXPERT_INTERMEDIATE}) {dense:8.1f}  Mixtral ({NUM_EXPERTS}x{EXPERT_INTERMEDIATE}, "
                   f"top-{TOP_K}) {mixtral:8.1f}  dense / MoE {dense / mixtral:.2f}x  "
                   f"runs dense [{', '.join(f'{r:.1f}' for r in rates['dense'])}] "
