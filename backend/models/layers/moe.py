@@ -18,7 +18,8 @@ runs one GEMM over its rows, and the weighted rows are added back per token with
 (a decode step), where those torch ops cost more in dispatch than in arithmetic, one C++ call does
 all of it instead (`backend/csrc/cpu_moe.cpp`, `cpu_moe_experts`); its experts' linears then stay
 plain nn.Linear (not packed for oneDNN), so the kernel and the grouped GEMMs of larger batches read
-the same single copy of the weights. On CUDA (or CPU tensors inside `ops.triton_kernels()`), the
+the same single copy of the weights (those GEMMs pay oneDNN's per-call weight reorder instead:
+holding a packed copy too would double the experts' memory). On CUDA (or CPU tensors inside `ops.triton_kernels()`), the
 fused Triton kernel (`backend/kernels/fused_moe.py`, `ops.fused_moe`) runs instead. Both kernels take
 the experts' weights stacked once into [E, N, K] tensors (the nn.Linear weights become views of
 them, so nothing is held twice).
@@ -51,8 +52,9 @@ from backend.models.layers.activation import gated_activation
 from backend.parallel_state import ParallelState
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
-# The C++ kernel runs while the (token, expert) pairs are at most this many per expert on average;
-# above, the grouped path's oneDNN GEMMs are faster (tools/bench_moe.py measures both).
+# The C++ kernel runs while the (token, expert) pairs are at most this many per expert on average
+# (32 tokens at 8 experts top-2); above, one oneDNN GEMM per expert is faster: its AMX tiles beat the
+# kernel's dot products once an expert has rows enough (`tools/bench_moe.py --num-tokens` measures both).
 CPU_KERNEL_MAX_PAIRS_PER_EXPERT = 8
 
 
