@@ -363,7 +363,8 @@ def needs_cpu_moe_kernel():
 
 
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (4, 2), (13, 3), (37, 2)])
-@pytest.mark.parametrize("hidden,intermediate", [(64, 32), (48, 40)])  # 48, 40: partial vectors and blocks
+# 48, 40: partial vectors and blocks; 256, 200: enough work for the kernel to share it among torch's threads
+@pytest.mark.parametrize("hidden,intermediate", [(64, 32), (48, 40), (256, 200)])
 def test_cpu_moe_kernel_matches_reference_on_uneven_loads(num_tokens, top_k, hidden, intermediate):
     from backend.models.layers.moe import cpu_moe_experts
 
@@ -371,8 +372,8 @@ def test_cpu_moe_kernel_matches_reference_on_uneven_loads(num_tokens, top_k, hid
     torch.manual_seed(0)
     num_experts = 8
     x = torch.randn(num_tokens, hidden).bfloat16()
-    w13 = (torch.randn(num_experts, 2 * intermediate, hidden) * 0.2).bfloat16()
-    w2 = (torch.randn(num_experts, hidden, intermediate) * 0.2).bfloat16()
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden) * 1.6 / hidden ** 0.5).bfloat16()  # |y| ~ 4-8 whatever the shape
+    w2 = (torch.randn(num_experts, hidden, intermediate) * 1.6 / intermediate ** 0.5).bfloat16()
     ids = uneven_routing(num_tokens, num_experts, top_k)
     weights = torch.rand(num_tokens, top_k)
     expected = reference.fused_moe_reference(x, w13, w2, weights, ids)
