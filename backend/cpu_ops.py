@@ -29,7 +29,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES, HEADERS = [CSRC / "cpu_ops.cpp", CSRC / "cpu_linear.cpp"], [CSRC / "vectors.h"]
+SOURCES, HEADERS = [CSRC / "cpu_ops.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_lora.cpp"], [CSRC / "vectors.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
 PORTABLE_FLAGS = ["-mno-avx512bf16"]
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -42,6 +42,7 @@ SIGNATURES = {
     "reshape_and_cache": [ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64],
     "paged_attention": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i64, f32],
     "sample_rows": [ptr, ptr, i64, i64, i64, ptr, ptr],
+    "lora": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64],
 }
 FLOAT32_ONLY = {"sample_rows"}  # logits are float32 whatever the model's dtype
 
@@ -99,6 +100,7 @@ def _library() -> ctypes.CDLL | None:
         library.pack_linear_bf16.argtypes, library.pack_linear_bf16.restype = [ptr, ptr, i64, i64, flag], None
         library.linear_bf16.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, flag, flag]
         library.linear_bf16.restype = None
+        library.lora_pairs_bf16.argtypes, library.lora_pairs_bf16.restype = SIGNATURES["lora"], None
     return library
 
 
@@ -153,6 +155,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, size, dtype=x.dtype)
     _call("silu_and_mul", x.dtype, out.data_ptr(), x.data_ptr(), rows, size)
     return out
+
+
+def lora_pairs(dtype: torch.dtype) -> bool:
+    """Whether LoRA deltas in `dtype` run on AVX512-BF16 dot products, over weights packed in pairs
+    along the sum (`pack_pairs`)."""
+    library = _library()
+    return dtype == torch.bfloat16 and library is not None and hasattr(library, "lora_pairs_bf16")
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[..., depth, width] -> [..., depth / 2, width, 2]: each column's two consecutive weights side
+    by side (vdpbf16ps's operand layout); depth even."""
+    *lead, depth, width = weight.shape
+    return weight.reshape(*lead, depth // 2, 2, width).transpose(-1, -2).contiguous()
+
+
+def lora(out: torch.Tensor, x: torch.Tensor, lora_at: torch.Tensor, lora_bt: torch.Tensor,
+         segments: torch.Tensor, ranks: int, pairs: bool) -> None:
+    """out[t] += x[t] @ A^T[s, :, :ranks] @ B^T[s, :ranks] for the tokens t of each segment (segments:
+    [n, 3] int64, first token, tokens, slot s), in place. x [T, in] and out [T, out] with packed rows;
+    A^T [slots, in, width] and B^T [slots, width, out] contiguous in x's dtype, or with `pairs`
+    (`lora_pairs`) the same tensors holding what pack_pairs lays out; ranks and out a multiple of 16."""
+    width = lora_bt.shape[1]
+    function = _library().lora_pairs_bf16 if pairs else getattr(_library(), f"lora_{SUFFIXES[x.dtype]}")
+    function(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), lora_at.data_ptr(), lora_bt.data_ptr(),
+             segments.data_ptr(), segments.shape[0], x.shape[1], width, ranks, out.shape[1])
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
