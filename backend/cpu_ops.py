@@ -100,7 +100,8 @@ def _library() -> ctypes.CDLL | None:
         library.pack_linear_bf16.argtypes, library.pack_linear_bf16.restype = [ptr, ptr, i64, i64, flag], None
         library.linear_bf16.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, flag, flag]
         library.linear_bf16.restype = None
-        library.lora_pairs_bf16.argtypes, library.lora_pairs_bf16.restype = SIGNATURES["lora"], None
+        library.lora_pairs_bf16.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+        library.lora_pairs_bf16.restype = None
     return library
 
 
