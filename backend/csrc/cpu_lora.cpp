@@ -1,7 +1,7 @@
 // Multi-LoRA deltas for a step's small batches: out[t] += (x[t] A_s^T) B_s^T for each token t of a
 // segment on slot s, in one call for every segment of the step. Built into one library with
 // cpu_ops.cpp (backend/cpu_ops.py); backend/ops.py calls it on decode-sized steps and keeps torch's
-// GEMMs for prefills, where the deltas are large enough for oneDNN's AMX kernels.
+// GEMMs for prefills, where the deltas are large enough for oneDNN's GEMMs.
 //
 // Why not two torch GEMMs per layer: at a decode step the deltas are a few MFLOP and the adapters'
 // weights a few hundred kB a projection, while each oneDNN bfloat16 call costs 30-40 us of its own;

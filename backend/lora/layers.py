@@ -16,8 +16,8 @@ On the CPU a step of up to `ops.LORA_KERNEL_TOKENS` adapter tokens (a decode) ru
 delta in one call of a C++ kernel (backend/csrc/cpu_lora.cpp: shrink, then expand, on AVX512-BF16
 dot products in bfloat16) over its own copies of the weights (A^T, B^T, rank columns padded to
 whole vectors, pair-packed for the dot products); larger steps (prefills) run two GEMMs per
-segment, which oneDNN's AMX kernels do at full speed there. Only the rank columns some segment's
-slot fills are multiplied. SmolLM2 with 4 adapters of rank 16 on all 7 projections, a 64-token
+segment, where oneDNN's GEMMs (AMX where the CPU has it) run at full speed. Only the rank columns
+some segment's slot fills are multiplied. SmolLM2 with 4 adapters of rank 16 on all 7 projections, a 64-token
 decode step: two batched torch GEMMs per projection took ~230 us a projection (30-40 us of fixed
 cost per oneDNN call, the adapters' weights from memory); the kernel takes 78-195 us a projection
 (`python -m tools.bench_lora`: 0.61x -> 0.85x of the base model).
