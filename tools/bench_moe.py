@@ -56,7 +56,7 @@ def layer_timings(dtype: torch.dtype, num_tokens: int, repeats: int) -> dict[str
     layer = layer.to(dtype).eval()
     packed = copy.deepcopy(layer.experts)
     for expert in packed:  # as pack_linears packs experts the kernel does not run
-        if expert.gate_up_proj.weight.dtype == torch.bfloat16 and cpu_ops.onednn_packing():
+        if expert.gate_up_proj.weight.dtype in (torch.bfloat16, torch.float32) and cpu_ops.onednn_packing():
             expert.gate_up_proj = cpu_ops.PackedLinear(expert.gate_up_proj, num_tokens, gated=True)
             expert.down_proj = cpu_ops.PackedLinear(expert.down_proj, num_tokens)
     cpu_ops.pack_linears(layer, num_tokens)

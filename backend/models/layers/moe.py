@@ -115,10 +115,10 @@ class GatedMLP(nn.Module):
 
     @property
     def keeps_linears_unpacked(self) -> bool:
-        """A routed expert the CPU MoE kernel can run: `cpu_ops.pack_linears` leaves its linears
-        as they are (the kernel reads nn.Linear's layout)."""
+        """A bfloat16 routed expert the CPU MoE kernel can run: `cpu_ops.pack_linears` leaves its
+        linears as they are (the kernel reads nn.Linear's layout)."""
         return (self.routed and self.moe.activation == "silu" and not self.moe.expert_bias
-                and cpu_moe_kernel_available())
+                and self.gate_up_proj.weight.dtype == torch.bfloat16 and cpu_moe_kernel_available())
 
 
 class Router(nn.Module):
