@@ -118,7 +118,8 @@ class GatedMLP(nn.Module):
         """A bfloat16 routed expert the CPU MoE kernel can run: `cpu_ops.pack_linears` leaves its
         linears as they are (the kernel reads nn.Linear's layout)."""
         return (self.routed and self.moe.activation == "silu" and not self.moe.expert_bias
-                and self.gate_up_proj.weight.dtype == torch.bfloat16 and cpu_moe_kernel_available())
+                and type(self.gate_up_proj) is nn.Linear and self.gate_up_proj.weight.dtype == torch.bfloat16
+                and cpu_moe_kernel_available())
 
 
 class Router(nn.Module):
