@@ -187,6 +187,26 @@ def lora(out: torch.Tensor, x: torch.Tensor, lora_at: torch.Tensor, lora_bt: tor
              segments.data_ptr(), segments.shape[0], x.shape[1], width, ranks, out.shape[1])
 
 
+def moe_kernel_available() -> bool:
+    """Whether bfloat16 MoE experts can run on `moe_experts` (built with AVX512-BF16)."""
+    library = _library()
+    return library is not None and hasattr(library, "moe_experts_bf16")
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+    """The MoE layer's grouped_experts (backend/models/layers/moe.py) in one C++ call
+    (csrc/cpu_moe.cpp), bfloat16: SiLU-gated experts stacked as w13 [E, 2I, H] (gate rows, then up
+    rows) and w2 [E, H, I], both contiguous; weights and ids [T, k]."""
+    x = x.contiguous()
+    weights, ids = weights.to(torch.float32).contiguous(), ids.to(torch.int64).contiguous()
+    out = torch.empty_like(x)
+    _library().moe_experts_bf16(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], w13.data_ptr(),
+                                w2.data_ptr(), w13.shape[0], w2.shape[2], weights.data_ptr(),
+                                ids.data_ptr(), ids.shape[1])
+    return out
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
     """key/value [T, KVH, D] (rows may be strided) into kv_cache [2, KVH, num_blocks, block_size, D]."""
@@ -264,8 +284,8 @@ def own_linear_kernel() -> bool:
 
 def own_kernel_takes(linear: nn.Linear) -> bool:
     out_features, in_features = linear.weight.shape
-    return (own_linear_kernel() and linear.weight.dtype == torch.bfloat16 and out_features % 16 == 0 and in_features % 2 == 0
-            and (linear.bias is None or linear.bias.dtype == torch.bfloat16))
+    return (own_linear_kernel() and linear.weight.dtype == torch.bfloat16 and out_features % 16 == 0
+            and in_features % 2 == 0 and (linear.bias is None or linear.bias.dtype == torch.bfloat16))
 
 
 def onednn_packing() -> bool:
@@ -278,9 +298,9 @@ class PackedLinear(nn.Module):
     streams from memory; the offline bench in bfloat16: 11.9 -> 9.5 s in linears, 475 -> 594 out
     tok/s), else into oneDNN's blocked layout (bfloat16: 15-20% faster than F.linear at decode batch
     sizes; float32: SmolLM2's projections at 64 rows 1.0-1.6x faster than MKL's sgemm on a quiet
-    host and more on a busy one, the same at 512; the offline bench in float32 +17%). Our kernel takes output features in
-    multiples of 16 and even input features; its results are F.linear's but for about one output
-    in 20,000 a bfloat16 unit away (the float32 sums' order differs from oneDNN's now and then).
+    host and more on a busy one, the same at 512; the offline bench in float32 +17%). Our kernel
+    takes output features in multiples of 16 and even input features; its results are F.linear's
+    but for about one output in 20,000 a bfloat16 unit away (the float32 sums' order differs from oneDNN's now and then).
 
     `gated`: the weight is an MLP's gate and up projections stacked, and `silu_and_mul(x)` gives
     ops.silu_and_mul(self(x)) in one pass, bit for bit (our kernel, output features a multiple of

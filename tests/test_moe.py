@@ -356,9 +356,9 @@ def test_moe_model_greedy_tokens_unchanged_on_triton_kernels(tmp_path):
 
 # -- the CPU MoE kernel (backend/csrc/cpu_moe.cpp), bfloat16 at a few tokens -------------------------------------
 def needs_cpu_moe_kernel():
-    from backend.models.layers.moe import cpu_moe_kernel_available
+    from backend.cpu_ops import moe_kernel_available
 
-    if not cpu_moe_kernel_available():
+    if not moe_kernel_available():
         pytest.skip("the CPU MoE kernel is not built here (no compiler, no AVX512-BF16, or TRITONLLM_CPU_KERNELS=0)")
 
 
@@ -366,7 +366,7 @@ def needs_cpu_moe_kernel():
 # 48, 40: partial vectors and blocks; 256, 200: enough work for the kernel to share it among torch's threads
 @pytest.mark.parametrize("hidden,intermediate", [(64, 32), (48, 40), (256, 200)])
 def test_cpu_moe_kernel_matches_reference_on_uneven_loads(num_tokens, top_k, hidden, intermediate):
-    from backend.models.layers.moe import cpu_moe_experts
+    from backend.cpu_ops import moe_experts
 
     needs_cpu_moe_kernel()
     torch.manual_seed(0)
@@ -377,7 +377,7 @@ def test_cpu_moe_kernel_matches_reference_on_uneven_loads(num_tokens, top_k, hid
     ids = uneven_routing(num_tokens, num_experts, top_k)
     weights = torch.rand(num_tokens, top_k)
     expected = reference.fused_moe_reference(x, w13, w2, weights, ids)
-    out = cpu_moe_experts(x, w13, w2, weights, ids)
+    out = moe_experts(x, w13, w2, weights, ids)
     torch.testing.assert_close(out, expected, atol=6e-2, rtol=2e-2)  # a bfloat16 unit at |y| ~ 4-8
     # Mostly bit for bit: only the float32 sums' order differs from torch's GEMMs.
     assert (out == expected).float().mean() > 0.5

@@ -16,13 +16,13 @@ CPU, tokens are grouped by expert: the (token, expert) pairs are sorted by exper
 runs one GEMM over its rows, and the weighted rows are added back per token with one index_add_
 (same per-token summation order as Hugging Face, experts ascending). In bfloat16 at a few tokens
 (a decode step), where those torch ops cost more in dispatch than in arithmetic, one C++ call does
-all of it instead (`backend/csrc/cpu_moe.cpp`, `cpu_moe_experts`); its experts' linears then stay
-plain nn.Linear (not packed for oneDNN), so the kernel and the grouped GEMMs of larger batches read
-the same single copy of the weights (those GEMMs pay oneDNN's per-call weight reorder instead:
-holding a packed copy too would double the experts' memory). On CUDA (or CPU tensors inside `ops.triton_kernels()`), the
-fused Triton kernel (`backend/kernels/fused_moe.py`, `ops.fused_moe`) runs instead. Both kernels take
-the experts' weights stacked once into [E, N, K] tensors (the nn.Linear weights become views of
-them, so nothing is held twice).
+all of it instead (`backend/csrc/cpu_moe.cpp`, `cpu_ops.moe_experts`); its experts' linears then
+stay plain nn.Linear (not packed for oneDNN), so the kernel and the grouped GEMMs of larger
+batches read the same single copy of the weights (those GEMMs pay oneDNN's per-call weight reorder
+instead: a 256-token MoE layer ~1.45x slower; a packed copy too would double the experts' memory). On CUDA (or CPU tensors inside
+`ops.triton_kernels()`), the fused Triton kernel (`backend/kernels/fused_moe.py`, `ops.fused_moe`)
+runs instead. Both kernels take the experts' weights stacked once into [E, N, K] tensors (the
+nn.Linear weights become views of them, so nothing is held twice).
 
 Tensor parallelism shards every expert (and shared expert) along its intermediate dimension:
 gate/up column-parallel, down row-parallel, router replicated, so every rank routes identically, and
@@ -104,7 +104,8 @@ class GatedMLP(nn.Module):
     """One expert (routed or shared): down(act(gate_up(x))), without the all-reduce (the MoE layer
     reduces once for all of them)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, moe: MoEArgs, routed: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, moe: MoEArgs,
+                 routed: bool = False) -> None:
         super().__init__()
         self.moe, self.routed = moe, routed
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
@@ -119,7 +120,7 @@ class GatedMLP(nn.Module):
         linears as they are (the kernel reads nn.Linear's layout)."""
         return (self.routed and self.moe.activation == "silu" and not self.moe.expert_bias
                 and type(self.gate_up_proj) is nn.Linear and self.gate_up_proj.weight.dtype == torch.bfloat16
-                and cpu_moe_kernel_available())
+                and cpu_ops.moe_kernel_available())
 
 
 class Router(nn.Module):
@@ -190,24 +191,6 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
-def cpu_moe_kernel_available() -> bool:
-    library = cpu_ops._library()
-    return library is not None and hasattr(library, "moe_experts_bf16")
-
-
-def cpu_moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor) -> torch.Tensor:
-    """grouped_experts in one C++ call, bfloat16: SiLU-gated experts stacked as w13 [E, 2I, H] (gate
-    rows, then up rows) and w2 [E, H, I], both contiguous."""
-    x = x.contiguous()
-    weights, ids = weights.to(torch.float32).contiguous(), ids.to(torch.int64).contiguous()
-    out = torch.empty_like(x)
-    cpu_ops._library().moe_experts_bf16(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], w13.data_ptr(),
-                                        w2.data_ptr(), w13.shape[0], w2.shape[2], weights.data_ptr(),
-                                        ids.data_ptr(), ids.shape[1])
-    return out
-
-
 def per_token_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       experts: nn.ModuleList) -> torch.Tensor:
     """The naive loop the grouped path replaces (one call per token per chosen expert); the
@@ -258,7 +241,7 @@ class SparseMoE(nn.Module):
             if stacked is not None:
                 return ops.fused_moe(x, *stacked, weights, ids)
         elif self.cpu_kernel_takes(x, ids):
-            return cpu_moe_experts(x, *self.stack_experts(), weights, ids)
+            return cpu_ops.moe_experts(x, *self.stack_experts(), weights, ids)
         return grouped_experts(x, weights, ids, self.experts)
 
     def cpu_kernel_takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
