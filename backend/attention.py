@@ -2,11 +2,15 @@
 new keys and values into their cache slots, then attend each query over its sequence's blocks.
 
 The step's tokens come flat: first one token per decoding sequence, then each prefill chunk in
-turn. The C++ kernel of `backend/cpu_ops.py` attends every token of the step in one call, reading
-the blocks in place. Where it does not apply (an fp8 cache, other head sizes), decodes run as one
-batched, masked attention over gathered blocks and prefill chunks one at a time through SDPA,
-reading straight from the new keys when nothing of the sequence is cached yet. On CUDA,
-`backend/ops.py` runs the Triton kernels on the same metadata instead.
+turn. The C++ kernel of `backend/cpu_ops.py` attends the decodes and short chunks in one call,
+reading the blocks in place a token at a time. Prefill chunks of FLASH_MIN_QUERY_TOKENS or more go
+through `flash_prefill`: torch's blocked CPU flash attention over the chunk's own new keys, then over
+its cached prefix a tile of blocks at a time, the parts merged by their log-sum-exp (no [Tq, L] score
+matrix, no copy of the whole context). Where the C++ kernel does not apply (an fp8 cache, other head
+sizes, sinks, a one-part cache), decodes run as one batched, masked attention over gathered blocks
+and every prefill chunk through `flash_prefill`, or, under a sliding window that hides part of it or
+a soft cap, through the torch reference. On CUDA, `backend/ops.py` runs the Triton kernels on the
+same metadata instead.
 
 The KV cache of a layer is [2, KVH, num_blocks, block_size, D]: each KV head's blocks together, so
 gathering a sequence's blocks yields [KVH, L, D] slabs that feed batched matmuls without a copy.
@@ -26,8 +30,9 @@ from backend.kernels.reference import causal_attention_reference, gather_blocks,
 
 
 # Prefill chunks of this many query tokens or more run on torch's blocked flash attention instead of
-# the C++ kernel, which reads every key once per query token (fine for decodes and short chunks):
-# 2,000 fresh tokens, 9 heads over 3 KV heads of 64, bfloat16: 160 -> 28 ms a layer.
+# the C++ kernel, which reads every key once per query token and scores it with vector dot products
+# (fine for decodes and short chunks; the flash kernel's GEMMs win from about 64 query tokens up:
+# docs/benchmarks.md, long prompts).
 FLASH_MIN_QUERY_TOKENS = 64
 PREFIX_TILE_TOKENS = 2048  # positions of a chunk's cached prefix gathered and attended at a time
 

@@ -25,6 +25,9 @@ def test_workloads_are_deterministic_and_shaped(tokenizer):
     mixed = make_workload("mixed", tokenizer, 32)
     assert len(set(mixed.output_lens)) > 1 and max(map(len, mixed.prompts)) <= 1024
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([], 50) is None
+    long = make_workload("long", tokenizer, 3, input_len=2000, output_len=16)
+    assert [len(p) for p in long.prompts] == [2000] * 3 and long.output_lens == [16] * 3
+    assert len({tuple(p[:64]) for p in long.prompts}) == 3  # distinct prompts: nothing for the prefix cache
 
 
 def test_offline_and_hf_modes_report_ratios_per_dtype(tmp_path, model_path, capsys):
