@@ -34,7 +34,9 @@ from backend.kernels.reference import causal_attention_reference, gather_blocks,
 # (fine for decodes and short chunks; the flash kernel's GEMMs win from about 64 query tokens up:
 # docs/benchmarks.md, long prompts).
 FLASH_MIN_QUERY_TOKENS = 64
-PREFIX_TILE_TOKENS = 2048  # positions of a chunk's cached prefix gathered and attended at a time
+# Positions of a chunk's cached prefix gathered and attended at a time: a bound on the copy, large
+# enough that a context of up to 8k positions takes one tile (each tile adds a pass to merge it).
+PREFIX_TILE_TOKENS = 8192
 
 
 @dataclass
@@ -128,18 +130,20 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         out = cpu_ops.paged_attention(query, kv_cache, meta.block_tables, meta.token_rows,
                                       meta.token_context_lens, scale, **options)
         return out.view(num_tokens, num_heads * head_dim)
-    out = query.new_empty(num_tokens, num_heads, head_dim)
-    kernel_from = 0  # the tokens between the long chunks go to the C++ kernel, a run at a time
+    pieces, kernel_from = [], 0  # the tokens between the long chunks go to the C++ kernel, a run at a time
     for span in long_spans + [PrefillSpan(num_tokens, 0, 0, meta.block_tables[:0])]:
         if span.start > kernel_from:
             rows = slice(kernel_from, span.start)
-            out[rows] = cpu_ops.paged_attention(query[rows], kv_cache, meta.block_tables, meta.token_rows[rows],
-                                                meta.token_context_lens[rows], scale, **options)
+            pieces.append(cpu_ops.paged_attention(query[rows], kv_cache, meta.block_tables, meta.token_rows[rows],
+                                                  meta.token_context_lens[rows], scale, **options))
         rows = slice(span.start, span.start + span.num_query_tokens)
         if span.num_query_tokens:
-            out[rows] = flash_prefill(query[rows], key[rows], value[rows], kv_cache, span, scale)
+            pieces.append(flash_prefill(query[rows], key[rows], value[rows], kv_cache, span, scale))
         kernel_from = rows.stop
-    return out.view(num_tokens, num_heads * head_dim)
+    # One piece (a lone long prompt) is returned as it is: no copy into a fresh buffer, whose first
+    # touch alone (page faults) cost as much as the copy.
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return out.reshape(num_tokens, num_heads * head_dim)
 
 
 def flash_takes(span: PrefillSpan, sliding_window: int | None, logits_soft_cap: float | None) -> bool:
@@ -174,10 +178,10 @@ def flash_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k
         tile_out, tile_lse = _flash(q, k.to(query.dtype).unsqueeze(0), v.to(query.dtype).unsqueeze(0), scale,
                                     causal=False)
         merged = torch.logaddexp(lse, tile_lse)
-        out = out * (lse - merged).exp().unsqueeze(-1) + tile_out.float() * (tile_lse - merged).exp().unsqueeze(-1)
+        out.mul_((lse - merged).exp_().unsqueeze(-1)).addcmul_(tile_out, (tile_lse - merged).exp_().unsqueeze(-1))
         lse = merged
     if sinks is not None:  # p_j = e^s_j / (sum e^s + e^sink): the softmax's output times sigmoid(lse - sink)
-        out = out * torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
+        out.mul_(torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1))
     return out[0].transpose(0, 1).to(query.dtype)
 
 
