@@ -29,7 +29,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES, HEADERS = [CSRC / "cpu_ops.cpp", CSRC / "cpu_linear.cpp"], [CSRC / "vectors.h"]
+SOURCES, HEADERS = [CSRC / "cpu_ops.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_lora.cpp"], [CSRC / "vectors.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
 PORTABLE_FLAGS = ["-mno-avx512bf16"]
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -42,6 +42,7 @@ SIGNATURES = {
     "reshape_and_cache": [ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64],
     "paged_attention": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i64, f32],
     "sample_rows": [ptr, ptr, i64, i64, i64, ptr, ptr],
+    "lora": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64],
 }
 FLOAT32_ONLY = {"sample_rows"}  # logits are float32 whatever the model's dtype
 
@@ -99,6 +100,8 @@ def _library() -> ctypes.CDLL | None:
         library.pack_linear_bf16.argtypes, library.pack_linear_bf16.restype = [ptr, ptr, i64, i64, flag], None
         library.linear_bf16.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, flag, flag]
         library.linear_bf16.restype = None
+        library.lora_pairs_bf16.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+        library.lora_pairs_bf16.restype = None
     return library
 
 
@@ -153,6 +156,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, size, dtype=x.dtype)
     _call("silu_and_mul", x.dtype, out.data_ptr(), x.data_ptr(), rows, size)
     return out
+
+
+def lora_pairs(dtype: torch.dtype) -> bool:
+    """Whether LoRA deltas in `dtype` run on AVX512-BF16 dot products, over weights packed in pairs
+    along the sum (`pack_pairs`)."""
+    library = _library()
+    return dtype == torch.bfloat16 and library is not None and hasattr(library, "lora_pairs_bf16")
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[..., depth, width] -> [..., depth / 2, width, 2]: each column's two consecutive weights side
+    by side (vdpbf16ps's operand layout); depth even."""
+    *lead, depth, width = weight.shape
+    return weight.reshape(*lead, depth // 2, 2, width).transpose(-1, -2).contiguous()
+
+
+def lora(out: torch.Tensor, x: torch.Tensor, lora_at: torch.Tensor, lora_bt: torch.Tensor,
+         segments: torch.Tensor, ranks: int, pairs: bool) -> None:
+    """out[t] += x[t] @ A^T[s, :, :ranks] @ B^T[s, :ranks] for the tokens t of each segment (segments:
+    [n, 3] int64, first token, tokens, slot s), in place. x [T, in] and out [T, out] with packed rows;
+    A^T [slots, in, width] and B^T [slots, width, out] contiguous in x's dtype, or with `pairs`
+    (`lora_pairs`) the same tensors holding what pack_pairs lays out; ranks and out a multiple of 16."""
+    width = lora_bt.shape[1]
+    function = _library().lora_pairs_bf16 if pairs else getattr(_library(), f"lora_{SUFFIXES[x.dtype]}")
+    function(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), lora_at.data_ptr(), lora_bt.data_ptr(),
+             segments.data_ptr(), segments.shape[0], x.shape[1], width, ranks, out.shape[1])
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -232,7 +261,7 @@ def own_linear_kernel() -> bool:
 
 def own_kernel_takes(linear: nn.Linear) -> bool:
     out_features, in_features = linear.weight.shape
-    return (own_linear_kernel() and out_features % 16 == 0 and in_features % 2 == 0
+    return (own_linear_kernel() and linear.weight.dtype == torch.bfloat16 and out_features % 16 == 0 and in_features % 2 == 0
             and (linear.bias is None or linear.bias.dtype == torch.bfloat16))
 
 
@@ -241,10 +270,12 @@ def onednn_packing() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear in bfloat16 with its weight packed once: into the panels of our C++ kernel where
-    `own_linear_kernel()` (it prefetches the weights a decode step streams from memory; the offline
-    bench in bfloat16: 11.9 -> 9.5 s in linears, 475 -> 594 out tok/s), else into oneDNN's blocked
-    layout (15-20% faster than F.linear at decode batch sizes). Our kernel takes output features in
+    """nn.Linear in bfloat16 or float32 with its weight packed once: into the panels of our C++
+    kernel where `own_linear_kernel()` (bfloat16 only; it prefetches the weights a decode step
+    streams from memory; the offline bench in bfloat16: 11.9 -> 9.5 s in linears, 475 -> 594 out
+    tok/s), else into oneDNN's blocked layout (bfloat16: 15-20% faster than F.linear at decode batch
+    sizes; float32: SmolLM2's projections at 64 rows 1.0-1.6x faster than MKL's sgemm on a quiet
+    host and more on a busy one, the same at 512; the offline bench in float32 +17%). Our kernel takes output features in
     multiples of 16 and even input features; its results are F.linear's but for about one output
     in 20,000 a bfloat16 unit away (the float32 sums' order differs from oneDNN's now and then).
 
@@ -290,10 +321,12 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, batch_size_hint: int) -> None:
-    """Swap every bfloat16 nn.Linear of a CPU model for a PackedLinear (float32 keeps MKL's
-    sgemm, which the exactness tests hold to Hugging Face); a `gate_up_proj` packs gated."""
+    """Swap every bfloat16 and float32 nn.Linear of a CPU model for a PackedLinear; a
+    `gate_up_proj` packs gated. float32 sums in oneDNN's order, not MKL's (Hugging Face's): outputs
+    differ in the last bits (~2e-6 at SmolLM2's shapes) and the greedy float32 tests against
+    Hugging Face stay token-exact."""
     for module in list(model.modules()):
         for name, child in module.named_children():
-            if (isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu"
-                    and (own_kernel_takes(child) or onednn_packing())):
+            if (isinstance(child, nn.Linear) and child.weight.dtype in (torch.bfloat16, torch.float32)
+                    and child.weight.device.type == "cpu" and (own_kernel_takes(child) or onednn_packing())):
                 setattr(module, name, PackedLinear(child, batch_size_hint, gated=name == "gate_up_proj"))

@@ -148,18 +148,21 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     reference.add_lora_reference(out, x, lora_a, lora_b, batch)
 
 
-def add_lora_cpu(out: torch.Tensor, x: torch.Tensor, lora_at: torch.Tensor, lora_bt: torch.Tensor, layout) -> None:
-    """The CPU path of add_lora (see backend/lora/layers.py): lora_at [slots, in, R] and lora_bt
-    [slots, R, out] in x's dtype, layout a backend.lora.layers.CPULayout."""
-    num, length = layout.num, layout.length
-    at, bt = lora_at[layout.slots], lora_bt[layout.slots]
-    if layout.gather is None:
-        rows = slice(layout.first, layout.first + num * length)
-        shrunk = torch.bmm(x[rows].view(num, length, -1), at)
-        out[rows].view(num, length, -1).baddbmm_(shrunk, bt)
+LORA_KERNEL_TOKENS = 256  # steps up to this many adapter tokens take the C++ kernel (decodes)
+
+
+def add_lora_cpu(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, batch,
+                 ranks: int, kernel_weights: tuple[torch.Tensor, torch.Tensor] | None, pairs: bool) -> None:
+    """The CPU path of add_lora for the first `ranks` rank columns (see backend/lora/layers.py):
+    a small step in one call of the C++ kernel on its copies of the weights (`kernel_weights`,
+    pair-packed where `pairs`), a larger one as two GEMMs per segment (each adapter's tokens are one
+    or two segments: the runner sorts a step by slot), which oneDNN runs at full speed there."""
+    if (kernel_weights is not None and batch.num_tokens <= LORA_KERNEL_TOKENS and cpu_ops.available()
+            and x.stride(-1) == 1 and out.stride(-1) == 1):
+        cpu_ops.lora(out, x, *kernel_weights, batch.cpu_segments, -(-ranks // 16) * 16, pairs)
         return
-    delta = torch.bmm(torch.bmm(x.index_select(0, layout.gather).view(num, length, -1), at), bt)
-    out.index_add_(0, layout.tokens, delta.view(num * length, -1).index_select(0, layout.valid))
+    for start, end, slot in batch.segments:
+        out[start:end].addmm_(x[start:end] @ lora_a[slot, :ranks].T, lora_b[slot, :, :ranks].T)
 
 
 def fused_moe_applies(x: torch.Tensor) -> bool:

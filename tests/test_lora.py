@@ -218,34 +218,43 @@ def test_kernel_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_path_matches_reference(dtype):
-    """The CPU path's batched GEMMs (segments padded to the longest) against the
-    per-segment reference, with the tokens of no adapter between them untouched; and a step whose
-    segments tile their rows (no gather)."""
-    from backend.ops import add_lora_cpu
+@pytest.mark.parametrize("path", ["kernel", "gemms"])
+def test_cpu_path_matches_reference(dtype, path, monkeypatch):
+    """A LoRALinear on the CPU, its small steps on the C++ kernel (pair-packed weights in bfloat16
+    where the CPU has AVX512-BF16) and larger ones as two GEMMs per segment, against the per-segment
+    reference: uneven segments, slots out of order, tokens of no adapter between them untouched,
+    adapters of different ranks and one that leaves a slice alone (rank columns padded inside)."""
+    from torch import nn
 
+    from backend import cpu_ops, ops
+    from backend.lora.layers import LoRAContext, LoRALinear
+
+    if path == "gemms":
+        monkeypatch.setattr(ops, "LORA_KERNEL_TOKENS", 0)
+    elif not cpu_ops.available():
+        pytest.skip("the C++ kernels are not built here")
     torch.manual_seed(1)
-    num_slots, rank, num_in, num_out = 4, 16, 64, 48
-    lora_a = (torch.randn(num_slots, rank, num_in) * 0.1).to(dtype)
-    lora_b = (torch.randn(num_slots, num_out, rank) * 0.1).to(dtype)
-    rows = [(2, 1), (3, 3), (1, -1), (4, 1), (2, -1), (5, 2)]  # uneven, slots out of order, gaps
-    lora_at, lora_bt = lora_a.transpose(1, 2).contiguous(), lora_b.transpose(1, 2).contiguous()
+    num_in, sizes, max_rank = 64, [48, 16, 16], 8
+    layer = LoRALinear(nn.Linear(num_in, sum(sizes), bias=False).to(dtype), sizes, 4, max_rank, LoRAContext())
+    for slot, rank in {0: 8, 1: 4, 2: 8, 3: 2}.items():
+        for index, size in enumerate(sizes):
+            if (slot, index) != (1, 1):
+                layer.set_slice(slot, index, torch.randn(rank, num_in) * 0.1, torch.randn(size, rank) * 0.1, 0.5)
+    assert layer.kernel_weights is not None and layer.pairs == cpu_ops.lora_pairs(dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    cases = ((rows, [5, 10, 11]), ([(1, 0), (3, -1), (4, 1), (4, 2), (4, 3)], [1, 2, 3]), ([(4, 1), (4, 3), (4, 2)], []))
-    layouts = []
+    cases = (([(2, 1), (3, 3), (1, -1), (4, 1), (2, -1), (5, 2)], [5, 10, 11]),  # uneven, out of order, gaps
+             ([(1, 0), (3, -1), (4, 1), (4, 2), (4, 3)], [1, 2, 3]),
+             ([(7, 1), (7, 3), (7, 2)], []))  # rows of 6 and 1 in the kernel's tiles
     for rows, untouched in cases:
         x = torch.randn(sum(n for n, _ in rows), num_in).to(dtype)
-        base = torch.randn(x.shape[0], num_out).to(dtype)
-        batch = LoRABatch.build(rows, torch.device("cpu"))
-        expected, out = base.clone(), base.clone()
-        add_lora_reference(expected, x, lora_a, lora_b, batch)
-        add_lora_cpu(out, x, lora_at, lora_bt, batch.cpu_layout)
-        layouts.append(batch.cpu_layout)
+        base = layer.base(x)
+        layer.context.batch = batch = LoRABatch.build(rows, torch.device("cpu"))
+        expected = base.clone()
+        add_lora_reference(expected, x, layer.lora_a, layer.lora_b, batch)
+        out = layer(x)
         assert torch.equal(out[untouched], base[untouched])
         torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
         assert not torch.allclose(out.float(), base.float())
-    assert layouts[0].gather is not None and layouts[1].slots == slice(0, 4)
-    assert layouts[2].gather is None and torch.equal(layouts[2].slots, torch.tensor([1, 3, 2]))
 
 
 # -- served: `tritonllm serve --enable-lora --lora-modules ...`, tritonclient and the OpenAI SDK --------

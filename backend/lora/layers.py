@@ -12,13 +12,15 @@ each slice of a fused output takes its own block of rank columns (B is block-dia
 column 0, the rest zero; the scaling is folded into B. So one shrink and one expand per adapter serve
 q, k and v at once.
 
-The CPU path runs every adapter of a step in two batched GEMMs per layer (torch.bmm): the step's
-segments, padded to the longest (no padding in a decode step whose adapters hold equal shares),
-times each segment's own A^T, then the expand added in place into the base output (baddbmm_), from
-copies of the weights laid out for it (A^T [slots, in, ranks], B^T [slots, ranks, out]). Only the
-rank columns some segment's slot fills are multiplied. Against a loop of two GEMMs per segment, at
-SmolLM2's shapes with 4 adapters: 0.71 -> 0.12 ms for a decode step's qkv (16 tokens each), 2.3 ->
-1.8 ms for a prefill's gate_up (512 each); float32 GEMMs with conversions lost on prefills (8 ms).
+On the CPU a step of up to `ops.LORA_KERNEL_TOKENS` adapter tokens (a decode) runs every adapter's
+delta in one call of a C++ kernel (backend/csrc/cpu_lora.cpp: shrink, then expand, on AVX512-BF16
+dot products in bfloat16) over its own copies of the weights (A^T, B^T, rank columns padded to
+whole vectors, pair-packed for the dot products); larger steps (prefills) run two GEMMs per
+segment, where oneDNN's GEMMs (AMX where the CPU has it) run at full speed. Only the rank columns
+some segment's slot fills are multiplied. SmolLM2 with 4 adapters of rank 16 on all 7 projections, a 64-token
+decode step: two batched torch GEMMs per projection took ~230 us a projection (30-40 us of fixed
+cost per oneDNN call, the adapters' weights from memory); the kernel takes 78-195 us a projection
+(`python -m tools.bench_lora`: 0.61x -> 0.85x of the base model).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from backend import ops
+from backend import cpu_ops, ops
 from backend.errors import EngineError, check
 from backend.lora import LoRARequest
 from backend.lora.adapter import Adapter, read_adapter
@@ -39,22 +41,6 @@ TARGET_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj",
                 "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 DEFAULT_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-
-@dataclass
-class CPULayout:
-    """A step's segments padded to one length, for the CPU path: segment i's tokens are rows
-    i * length + [0, its length) of the padded batch. `gather` (token rows of the padded batch),
-    `valid` (the padded rows that are real tokens) and `tokens` (their rows in the step) are None
-    when the segments already tile rows [first, first + num * length). `slots`: the segments'
-    slots, a slice when they are consecutive."""
-    first: int
-    num: int
-    length: int
-    slots: slice | torch.Tensor
-    gather: torch.Tensor | None
-    valid: torch.Tensor | None
-    tokens: torch.Tensor | None
 
 
 @dataclass
@@ -69,25 +55,13 @@ class LoRABatch:
     max_length: int
 
     @functools.cached_property
-    def cpu_layout(self) -> "CPULayout":
-        """The segments as a [segments, longest, ...] batch for the CPU path's bmm (computed once
-        per step, shared by every layer)."""
-        lengths = [end - start for start, end, _ in self.segments]
-        num, length, first = len(self.segments), self.max_length, self.segments[0][0]
-        slot_list = [slot for _, _, slot in self.segments]
-        slots: slice | torch.Tensor = (slice(slot_list[0], slot_list[0] + num)
-                                       if slot_list == list(range(slot_list[0], slot_list[0] + num))
-                                       else torch.tensor(slot_list))
-        tiled = all(n == length for n in lengths) and all(
-            a[1] == b[0] for a, b in zip(self.segments, self.segments[1:]))
-        if tiled:  # the common decode step: equal runs back to back, x's rows as they are
-            return CPULayout(first, num, length, slots, None, None, None)
-        # Per segment, `length` rows: its own, then its last repeated (padding, never added back).
-        gather = torch.cat([torch.arange(start, start + length).clamp(max=end - 1) for start, end, _ in self.segments])
-        valid = torch.cat([torch.arange(i * length, i * length + end - start)
-                           for i, (start, end, _) in enumerate(self.segments)])
-        tokens = torch.cat([torch.arange(start, end) for start, end, _ in self.segments])
-        return CPULayout(first, num, length, slots, gather, valid, tokens)
+    def cpu_segments(self) -> torch.Tensor:
+        """The segments as [n, 3] int64 (first token, tokens, slot) for the CPU kernel."""
+        return torch.tensor([[start, end - start, slot] for start, end, slot in self.segments], dtype=torch.int64)
+
+    @functools.cached_property
+    def num_tokens(self) -> int:
+        return sum(end - start for start, end, _ in self.segments)
 
     @classmethod
     def build(cls, rows: list[tuple[int, int]], device: torch.device) -> "LoRABatch | None":
@@ -137,10 +111,14 @@ class LoRALinear(nn.Module):
                                                    device=weight.device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, ranks, dtype=dtype,
                                                    device=weight.device), persistent=False)
-        # The CPU path's copies, transposed: A^T [slots, in, ranks], B^T [slots, ranks, out].
-        cpu = weight.device.type == "cpu"
-        self.lora_at = torch.zeros(max_loras, self.in_features, ranks, dtype=dtype) if cpu else None
-        self.lora_bt = torch.zeros(max_loras, ranks, self.out_features, dtype=dtype) if cpu else None
+        # The CPU kernel's copies (small steps): A^T [slots, in, width], B^T [slots, width, out], the
+        # rank columns padded to whole vectors, in pairs for the bfloat16 dot products where it has them.
+        self.kernel_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.pairs = cpu_ops.lora_pairs(dtype) and self.in_features % 2 == 0
+        if weight.device.type == "cpu" and dtype in cpu_ops.SUFFIXES and self.out_features % 16 == 0:
+            width = -(-ranks // 16) * 16
+            self.kernel_weights = (torch.zeros(max_loras, self.in_features, width, dtype=dtype),
+                                   torch.zeros(max_loras, width, self.out_features, dtype=dtype))
         self.ranks_used = [0] * max_loras  # per slot: the rank columns filled (slices packed from 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,21 +126,17 @@ class LoRALinear(nn.Module):
         batch = self.context.batch
         if batch is None:
             return out
-        if self.lora_at is None or self.lora_bt is None:
+        if out.device.type != "cpu":
             ops.add_lora(out, x, self.lora_a, self.lora_b, batch)
-        else:
-            ranks = max(self.ranks_used[slot] for _, _, slot in batch.segments)
-            lora_at, lora_bt = self.lora_at, self.lora_bt
-            if ranks < lora_at.shape[2]:  # fewer columns than the slots hold (a copy: worth it)
-                lora_at, lora_bt = lora_at[:, :, :ranks], lora_bt[:, :ranks]
-            if ranks:
-                ops.add_lora_cpu(out, x, lora_at, lora_bt, batch.cpu_layout)
+            return out
+        ranks = max(self.ranks_used[slot] for _, _, slot in batch.segments)  # the columns any slot fills
+        if ranks:
+            ops.add_lora_cpu(out, x, self.lora_a, self.lora_b, batch, ranks, self.kernel_weights, self.pairs)
         return out
 
     def clear_slot(self, slot: int) -> None:
-        for weights in (self.lora_a, self.lora_b, self.lora_at, self.lora_bt):
-            if weights is not None:
-                weights[slot].zero_()
+        for weights in (self.lora_a, self.lora_b, *(self.kernel_weights or ())):
+            weights[slot].zero_()
         self.ranks_used[slot] = 0
 
     def set_slice(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
@@ -173,9 +147,14 @@ class LoRALinear(nn.Module):
         self.lora_a[slot, start:start + rank].copy_(a)
         self.lora_b[slot, offset:offset + self.output_sizes[index], start:start + rank].copy_(b.float() * scaling)
         self.ranks_used[slot] = start + rank
-        if self.lora_at is not None and self.lora_bt is not None:
-            self.lora_at[slot].copy_(self.lora_a[slot].T)
-            self.lora_bt[slot].copy_(self.lora_b[slot].T)
+        if self.kernel_weights is not None:
+            at, bt = self.kernel_weights
+            a_t, b_t = torch.zeros_like(at[slot]), torch.zeros_like(bt[slot])
+            a_t[:, :self.lora_a.shape[1]], b_t[:self.lora_b.shape[2]] = self.lora_a[slot].T, self.lora_b[slot].T
+            if self.pairs:  # pair-packed along the sums: in for A^T, the rank columns for B^T
+                a_t, b_t = cpu_ops.pack_pairs(a_t), cpu_ops.pack_pairs(b_t)
+            at[slot].copy_(a_t.view(at.shape[1:]))
+            bt[slot].copy_(b_t.view(bt.shape[1:]))
 
 
 def output_sizes(parent: nn.Module, name: str, module: nn.Module, fused: dict) -> list[int]:
