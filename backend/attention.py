@@ -2,11 +2,15 @@
 new keys and values into their cache slots, then attend each query over its sequence's blocks.
 
 The step's tokens come flat: first one token per decoding sequence, then each prefill chunk in
-turn. The C++ kernel of `backend/cpu_ops.py` attends every token of the step in one call, reading
-the blocks in place. Where it does not apply (an fp8 cache, other head sizes), decodes run as one
-batched, masked attention over gathered blocks and prefill chunks one at a time through SDPA,
-reading straight from the new keys when nothing of the sequence is cached yet. On CUDA,
-`backend/ops.py` runs the Triton kernels on the same metadata instead.
+turn. The C++ kernel of `backend/cpu_ops.py` attends the decodes and short chunks in one call,
+reading the blocks in place a token at a time. Prefill chunks of FLASH_MIN_QUERY_TOKENS or more go
+through `flash_prefill`: torch's blocked CPU flash attention over the chunk's own new keys, then over
+its cached prefix a tile of blocks at a time, the parts merged by their log-sum-exp (no [Tq, L] score
+matrix, no copy of the whole context). Where the C++ kernel does not apply (an fp8 cache, other head
+sizes, sinks, a one-part cache), decodes run as one batched, masked attention over gathered blocks
+and every prefill chunk through `flash_prefill`, or, under a sliding window that hides part of it or
+a soft cap, through the torch reference. On CUDA, `backend/ops.py` runs the Triton kernels on the
+same metadata instead.
 
 The KV cache of a layer is [2, KVH, num_blocks, block_size, D]: each KV head's blocks together, so
 gathering a sequence's blocks yields [KVH, L, D] slabs that feed batched matmuls without a copy.
@@ -20,10 +24,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from backend import cpu_ops
 from backend.kernels.reference import causal_attention_reference, gather_blocks, paged_attention_decode_reference
+
+
+# Prefill chunks of this many query tokens or more run on torch's blocked flash attention instead of
+# the C++ kernel, which reads every key once per query token and scores it with vector dot products
+# (fine for decodes and short chunks; the flash kernel's GEMMs win from about 64 query tokens up:
+# docs/benchmarks.md, long prompts).
+FLASH_MIN_QUERY_TOKENS = 64
+# Positions of a chunk's cached prefix gathered and attended at a time: a bound on the copy, large
+# enough that a context of up to 8k positions takes one tile (each tile adds a pass to merge it).
+PREFIX_TILE_TOKENS = 8192
 
 
 @dataclass
@@ -74,17 +87,13 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              and meta.token_rows is not None and sinks is None and kv_cache.shape[0] == 2)
     if fused:
         cpu_ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
-        out = cpu_ops.paged_attention(query, kv_cache, meta.block_tables, meta.token_rows,
-                                      meta.token_context_lens, scale, sliding_window=sliding_window,
-                                      logits_soft_cap=logits_soft_cap)
-        return out.view(num_tokens, num_heads * head_dim)
+        return _fused_attention(query, key, value, kv_cache, meta, scale, sliding_window, logits_soft_cap)
     key_slots = kv_cache[0].view(num_kv_heads, -1, head_dim)  # [KVH, num_slots, D]
     value_slots = kv_cache[-1].view(num_kv_heads, -1, head_dim)
     # Indexed assignment, not index_copy_, which has no float8 kernel on the CPU.
     key_slots[:, meta.slot_mapping] = key.transpose(0, 1).to(kv_cache.dtype)
     value_slots[:, meta.slot_mapping] = value.transpose(0, 1).to(kv_cache.dtype)
     key_cache, value_cache = cache_views(kv_cache)
-    gqa = num_heads != num_kv_heads
 
     outputs = []
     if meta.num_decodes:
@@ -92,30 +101,92 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                                meta.decode_block_tables, meta.decode_seq_lens, scale,
                                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                                sinks=sinks)
-        outputs.append(out.view(meta.num_decodes, num_heads * head_dim))
+        outputs.append(out.reshape(meta.num_decodes, num_heads * head_dim))
     for span in meta.prefills:
-        end = span.start + span.num_query_tokens
-        if sliding_window is not None or logits_soft_cap is not None or sinks is not None:
+        rows = slice(span.start, span.start + span.num_query_tokens)
+        if flash_takes(span, sliding_window, logits_soft_cap):
+            out = flash_prefill(query[rows], key[rows], value[rows], kv_cache, span, scale, sinks=sinks)
+        else:
             k = gather_blocks(key_cache, span.block_table)[:, :span.context_len].to(query.dtype)
             v = gather_blocks(value_cache, span.block_table)[:, :span.context_len].to(query.dtype)
             positions = torch.arange(span.num_query_tokens, device=query.device) + span.context_len - span.num_query_tokens
-            out = causal_attention_reference(query[span.start:end].transpose(0, 1), k, v, positions, scale,
+            out = causal_attention_reference(query[rows].transpose(0, 1), k, v, positions, scale,
                                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                             sinks=sinks)
-            outputs.append(out.transpose(0, 1).reshape(span.num_query_tokens, num_heads * head_dim))
-            continue
-        q = query[span.start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Tq, D]
-        if span.context_len == span.num_query_tokens:  # nothing cached before this chunk
-            k = key[span.start:end].transpose(0, 1).unsqueeze(0)
-            v = value[span.start:end].transpose(0, 1).unsqueeze(0)
-            mask, causal = None, True
-        else:
-            k = gather_blocks(key_cache, span.block_table)[:, :span.context_len].to(query.dtype).unsqueeze(0)
-            v = gather_blocks(value_cache, span.block_table)[:, :span.context_len].to(query.dtype).unsqueeze(0)
-            offset = span.context_len - span.num_query_tokens
-            rows = torch.arange(span.num_query_tokens, device=query.device).unsqueeze(1) + offset
-            mask, causal = torch.arange(span.context_len, device=query.device).unsqueeze(0) <= rows, False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             scale=scale, enable_gqa=gqa)
-        outputs.append(out[0].transpose(0, 1).reshape(span.num_query_tokens, num_heads * head_dim))
+                                             sinks=sinks).transpose(0, 1)
+        outputs.append(out.reshape(span.num_query_tokens, num_heads * head_dim))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                     logits_soft_cap: float | None) -> torch.Tensor:
+    """The C++ kernel for the decodes and short prefill chunks (reading the blocks in place, one
+    token at a time), `flash_prefill` for chunks of at least FLASH_MIN_QUERY_TOKENS it takes."""
+    num_tokens, num_heads, head_dim = query.shape
+    options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    long_spans = [span for span in meta.prefills if span.num_query_tokens >= FLASH_MIN_QUERY_TOKENS
+                  and flash_takes(span, sliding_window, logits_soft_cap)]
+    if not long_spans:
+        out = cpu_ops.paged_attention(query, kv_cache, meta.block_tables, meta.token_rows,
+                                      meta.token_context_lens, scale, **options)
+        return out.view(num_tokens, num_heads * head_dim)
+    pieces, kernel_from = [], 0  # the tokens between the long chunks go to the C++ kernel, a run at a time
+    for span in long_spans + [PrefillSpan(num_tokens, 0, 0, meta.block_tables[:0])]:
+        if span.start > kernel_from:
+            rows = slice(kernel_from, span.start)
+            pieces.append(cpu_ops.paged_attention(query[rows], kv_cache, meta.block_tables, meta.token_rows[rows],
+                                                  meta.token_context_lens[rows], scale, **options))
+        rows = slice(span.start, span.start + span.num_query_tokens)
+        if span.num_query_tokens:
+            pieces.append(flash_prefill(query[rows], key[rows], value[rows], kv_cache, span, scale))
+        kernel_from = rows.stop
+    # One piece (a lone long prompt) is returned as it is: no copy into a fresh buffer, whose first
+    # touch alone (page faults) cost as much as the copy.
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def flash_takes(span: PrefillSpan, sliding_window: int | None, logits_soft_cap: float | None) -> bool:
+    """Whether `flash_prefill` computes this chunk: no soft cap, and no window that hides any of it."""
+    return logits_soft_cap is None and (sliding_window is None or sliding_window >= span.context_len)
+
+
+def flash_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                  span: PrefillSpan, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One prefill chunk's attention in tiles: query [Tq, H, D] causally over its own new keys and
+    values [Tq, KVH, D], then over its cached prefix PREFIX_TILE_TOKENS positions at a time,
+    gathered from the paged cache tile by tile. Each part runs torch's blocked CPU flash attention
+    (which never forms the [Tq, L] scores and multiplies on oneDNN, AMX where the CPU has it) and
+    returns its log-sum-exp, by which the parts merge as one softmax; `sinks` [H] then join each
+    head's denominator. Returns [Tq, H, D]."""
+    num_query, num_kv_heads, head_dim = key.shape
+    cached = span.context_len - num_query
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, H, Tq, D]
+    if cached and kv_cache.dtype != query.dtype:  # the chunk's keys as its prefix's: through the cache's type
+        key, value = key.to(kv_cache.dtype).to(query.dtype), value.to(kv_cache.dtype).to(query.dtype)
+    out, lse = _flash(q, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0), scale, causal=True)
+    if not cached and sinks is None:
+        return out[0].transpose(0, 1)
+    out = out.float()
+    block_size = kv_cache.shape[3]
+    tile_blocks = max(1, PREFIX_TILE_TOKENS // block_size)
+    for first in range(0, -(-cached // block_size), tile_blocks):
+        blocks = span.block_table[first:first + tile_blocks]
+        length = min(cached - first * block_size, tile_blocks * block_size)
+        k = kv_cache[0].index_select(1, blocks).view(num_kv_heads, -1, head_dim)[:, :length]
+        v = kv_cache[-1].index_select(1, blocks).view(num_kv_heads, -1, head_dim)[:, :length]
+        tile_out, tile_lse = _flash(q, k.to(query.dtype).unsqueeze(0), v.to(query.dtype).unsqueeze(0), scale,
+                                    causal=False)
+        merged = torch.logaddexp(lse, tile_lse)
+        out.mul_((lse - merged).exp_().unsqueeze(-1)).addcmul_(tile_out, (tile_lse - merged).exp_().unsqueeze(-1))
+        lse = merged
+    if sinks is not None:  # p_j = e^s_j / (sum e^s + e^sink): the softmax's output times sigmoid(lse - sink)
+        out.mul_(torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1))
+    return out[0].transpose(0, 1).to(query.dtype)
+
+
+def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+           causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, H, Tq, D] over [1, KVH, L, D] (KVH dividing H) -> output [1, H, Tq, D] and its
+    log-sum-exp [1, H, Tq] (float32). Causal: the last query sees every key (Tq == L here)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, scale=scale)

@@ -25,6 +25,9 @@ def test_workloads_are_deterministic_and_shaped(tokenizer):
     mixed = make_workload("mixed", tokenizer, 32)
     assert len(set(mixed.output_lens)) > 1 and max(map(len, mixed.prompts)) <= 1024
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([], 50) is None
+    long = make_workload("long", tokenizer, 3, input_len=2000, output_len=16)
+    assert [len(p) for p in long.prompts] == [2000] * 3 and long.output_lens == [16] * 3
+    assert len({tuple(p[:64]) for p in long.prompts}) == 3  # distinct prompts: nothing for the prefix cache
 
 
 def test_offline_and_hf_modes_report_ratios_per_dtype(tmp_path, model_path, capsys):
@@ -212,12 +215,26 @@ def test_vllm_offline_script_runs_by_path_in_another_python(tmp_path, monkeypatc
         assert imported <= {"json", "sys", "time", "importlib", "vllm"}, (script.name, imported)
     fake = tmp_path / "vllm"
     fake.mkdir()
+    # A stand-in engine that gives every unfinished request one token a step, as deltas.
+    (fake / "sampling_params.py").write_text("class RequestOutputKind:\n    DELTA = 1\n")
     (fake / "__init__.py").write_text(
         "from types import SimpleNamespace as N\n"
         "class SamplingParams:\n"
         "    def __init__(self, max_tokens, **_): self.max_tokens = max_tokens\n"
+        "class Engine:\n"
+        "    def __init__(self): self.left = {}\n"
+        "    def add_request(self, request_id, prompt, params): self.left[request_id] = params.max_tokens\n"
+        "    def has_unfinished_requests(self): return bool(self.left)\n"
+        "    def step(self):\n"
+        "        outputs = []\n"
+        "        for request_id in list(self.left):\n"
+        "            self.left[request_id] -= 1\n"
+        "            finished = self.left[request_id] == 0\n"
+        "            if finished: del self.left[request_id]\n"
+        "            outputs.append(N(request_id=request_id, finished=finished, outputs=[N(token_ids=[7])]))\n"
+        "        return outputs\n"
         "class LLM:\n"
-        "    def __init__(self, model, dtype, seed): assert dtype == 'float32'\n"
+        "    def __init__(self, model, dtype, seed): assert dtype == 'float32'; self.llm_engine = Engine()\n"
         "    def generate(self, prompts, params):\n"
         "        return [N(outputs=[N(token_ids=[7] * p.max_tokens)]) for p in params]\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
@@ -225,3 +242,4 @@ def test_vllm_offline_script_runs_by_path_in_another_python(tmp_path, monkeypatc
     figures = run_vllm_offline(args, Workload("w", [[1, 2, 3], [4, 5]], [3, 5]))
     assert figures["output_tokens_per_s"] * figures["seconds"] == pytest.approx(8)
     assert figures["request_throughput"] * figures["seconds"] == pytest.approx(2)
+    assert 0 < figures["ttft_p50_ms"] <= figures["e2e_p99_ms"]  # each request's first token, as ours are timed

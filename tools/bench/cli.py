@@ -13,7 +13,7 @@ import tools.bench
 from tools.bench.report import plot, print_report
 from tools.bench.runners import OFFLINE_RUNNERS, run_server_mode
 from tools.bench.servers import start_tritonllm, start_vllm_serve, stop
-from tools.bench.workloads import WORKLOADS, make_workload, resolved_model
+from tools.bench.workloads import DEFAULT_INPUT_LEN, DEFAULT_NUM_PROMPTS, WORKLOADS, make_workload, resolved_model
 
 MODES = ("offline", "triton", "openai", "hf-sequential", "hf-batch", "vllm-offline", "vllm-serve")
 VLLM_CORES = ("default", "all")  # VLLM_CPU_OMP_THREADS_BIND unset (a core for its front end) / 0-N
@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="offline,hf-sequential",
                         help=f"comma-separated, from: {', '.join(MODES)}")
     parser.add_argument("--workload", choices=WORKLOADS, default="fixed")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=None, help="default: 64 (long: 8)")
+    parser.add_argument("--input-len", type=int, default=None,
+                        help="prompt tokens (fixed: the mean; default: 128, long: 2000)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="HF folder (default: the prepared SmolLM2)")
@@ -88,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if args.client == "aiperf" and not args.aiperf:
         raise SystemExit("--client aiperf needs --aiperf PATH (tools/setup_aiperf.sh prints it)")
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    args.input_len = args.input_len or DEFAULT_INPUT_LEN.get(args.workload, 128)
+    args.num_prompts = args.num_prompts or DEFAULT_NUM_PROMPTS.get(args.workload, 64)
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     vllm_cores = ["all"] if args.vllm_bind_all_cores else [c.strip() for c in args.vllm_cores.split(",") if c.strip()]
     if not set(vllm_cores) <= set(VLLM_CORES) or not vllm_cores:

@@ -80,13 +80,14 @@ def labelled(mode: str, figures: dict | list[dict]) -> list[tuple[str, dict]]:
 
 def print_report(results: dict, references: dict[str, str | None]) -> None:
     """One line per figure; `references` names each label's offline run at the same dtype."""
-    print(f"{'mode':<40}{'out tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}"
+    print(f"{'mode':<40}{'out tok/s':>10}{'in tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}"
           f"{'E2E p99':>10}{'peak KV':>9}{'preempt':>8}{'prefix hit':>11}{'vs offline':>11}")
     for mode, figures in results.items():
         reference = results.get(references.get(mode) or "", {}).get("output_tokens_per_s")
         for label, entry in labelled(mode, figures):
             ratio = entry["output_tokens_per_s"] / reference if reference else None
-            print(f"{label:<40}{fmt(entry['output_tokens_per_s']):>10}{fmt(entry.get('request_throughput'), 2):>8}"
+            print(f"{label:<40}{fmt(entry['output_tokens_per_s']):>10}{fmt(entry.get('input_tokens_per_s'), 0):>10}"
+                  f"{fmt(entry.get('request_throughput'), 2):>8}"
                   f"{fmt(entry.get('ttft_p50_ms'), 0):>10}{fmt(entry.get('tpot_p50_ms'), 0):>10}"
                   f"{fmt(entry.get('itl_p50_ms'), 0):>9}{fmt(entry.get('e2e_p99_ms'), 0):>10}"
                   f"{fmt(entry.get('peak_kv_usage'), 2):>9}{fmt(entry.get('preemptions'), 0):>8}"

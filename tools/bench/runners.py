@@ -97,7 +97,8 @@ def run_hf_batch(args, workload: Workload) -> dict:
 
 
 def run_vllm_offline(args, workload: Workload) -> dict:
-    """vLLM's LLM.generate, run by the Python given with --vllm-python (its own venv)."""
+    """vLLM's LLM, every request added at once, run by the Python given with --vllm-python (its
+    own venv); its per-request times to the first and last token as ours are measured."""
     with tempfile.TemporaryDirectory() as tmp:
         spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec.write_text(json.dumps({"model": resolved_model(args), "dtype": args.dtype,
@@ -106,10 +107,8 @@ def run_vllm_offline(args, workload: Workload) -> dict:
         subprocess.run([args.vllm_python, str(VLLM_OFFLINE), str(spec), str(result)], check=True,
                        env=vllm_environment(args))
         figures = json.loads(result.read_text())
-    return {"seconds": figures["seconds"], "startup_s": figures["startup_s"],
-            "output_tokens_per_s": figures["output_tokens"] / figures["seconds"],
-            "input_tokens_per_s": workload.num_input_tokens / figures["seconds"],
-            "request_throughput": len(workload.prompts) / figures["seconds"]}
+    records = [RequestRecord(**record) for record in figures["records"]]
+    return {**summarize(records, figures["seconds"]), "startup_s": figures["startup_s"]}
 
 
 OFFLINE_RUNNERS = {"offline": run_offline, "hf-sequential": run_hf_sequential, "hf-batch": run_hf_batch,

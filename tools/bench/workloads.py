@@ -3,6 +3,8 @@
 - `fixed`: prompts of input_len +/- 12.5 % tokens, output_len tokens each (issue #8's 128/128).
 - `shared-prefix`: one ~1,000-token system prompt shared by every request, plus a short question.
 - `mixed`: lengths drawn from a ShareGPT-like log-normal distribution (long tail of long prompts).
+- `long`: prompts of exactly input_len tokens (default 2,000; 8,000 fits SmolLM2's 8,192 positions),
+  output_len each: prefill dominates, so time to first token is the figure to watch.
 Prompts are token ids so every engine sees exactly the same lengths.
 """
 
@@ -21,7 +23,10 @@ WORDS = ("the of and to in a is that for it as was with be by on not he this are
          "between life being under never day same another know while last might us great old year "
          "off come since against go came right used take three kernel cache token model batch").split()
 
-WORKLOADS = ("fixed", "shared-prefix", "mixed")
+WORKLOADS = ("fixed", "shared-prefix", "mixed", "long")
+# The flags --input-len and --num-prompts default per workload (a long prompt costs 16 short ones).
+DEFAULT_INPUT_LEN = {"long": 2000}
+DEFAULT_NUM_PROMPTS = {"long": 8}
 
 
 @dataclass
@@ -63,6 +68,9 @@ def make_workload(name: str, tokenizer, num_prompts: int, seed: int = 0, input_l
             prompts.append(text_tokens(tokenizer, rng, prompt_len))
             outputs.append(int(min(512, max(8, math.exp(rng.gauss(math.log(150), 0.7))))))
         return Workload(name, prompts, outputs)
+    if name == "long":
+        return Workload(name, [text_tokens(tokenizer, rng, input_len) for _ in range(num_prompts)],
+                        [output_len] * num_prompts)
     raise ValueError(f"workload: one of {', '.join(WORKLOADS)}, got {name!r}")
 
 

@@ -1,0 +1,152 @@
+"""The CPU path's prefill attention (`backend/attention.py`): chunks long enough go through
+`flash_prefill` (torch's blocked flash attention, tile by tile over the paged cache, parts merged by
+their log-sum-exp), the rest through the C++ kernel or the torch reference. Each against the torch
+references, over a step that mixes decodes, short chunks, fresh long chunks and long chunks after a
+cached prefix of several tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend import attention
+from backend.attention import AttentionMetadata, PrefillSpan, cache_views, flash_prefill
+from backend.kernels import reference
+
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+BLOCK_SIZE = 16
+# (positions cached before this step, tokens this step): two decodes, a short chunk after a prefix,
+# a fresh long chunk, a long chunk after a prefix of 150 (five tiles of 32 in these tests).
+SEQUENCES = [(40, 1), (7, 1), (20, 10), (0, 100), (150, 80)]
+
+
+def make_step(sequences, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, parts: int = 2,
+              num_decodes: int = 2):
+    """A random cache holding each sequence's cached positions, the step's new queries, keys and
+    values, and its metadata as the model runner builds it (the first `num_decodes` sequences are
+    decodes)."""
+    num_blocks = sum(-(-(done + new) // BLOCK_SIZE) for done, new in sequences) + 4
+    cache = torch.randn(parts, kv_heads, num_blocks, BLOCK_SIZE, head_dim, dtype=dtype)
+    width = max(-(-(done + new) // BLOCK_SIZE) for done, new in sequences)
+    free = torch.randperm(num_blocks).tolist()
+    tables = torch.zeros(len(sequences), width, dtype=torch.int32)
+    for row, (done, new) in enumerate(sequences):
+        count = -(-(done + new) // BLOCK_SIZE)
+        tables[row, :count] = torch.tensor([free.pop() for _ in range(count)])
+    rows, positions = [], []
+    for row, (done, new) in enumerate(sequences):
+        rows += [row] * new
+        positions += range(done, done + new)
+    rows_t, positions_t = torch.tensor(rows), torch.tensor(positions)
+    slots = tables[rows_t, positions_t // BLOCK_SIZE].long() * BLOCK_SIZE + positions_t % BLOCK_SIZE
+    spans, start = [], num_decodes
+    for row, (done, new) in list(enumerate(sequences))[num_decodes:]:
+        spans.append(PrefillSpan(start, new, done + new, tables[row, :-(-(done + new) // BLOCK_SIZE)]))
+        start += new
+    prefill_lens = torch.tensor([done + new for done, new in sequences[num_decodes:]], dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=slots, num_decodes=num_decodes,
+        decode_seq_lens=torch.tensor([done + 1 for done, _ in sequences[:num_decodes]], dtype=torch.int32),
+        decode_block_tables=tables[:num_decodes], prefills=spans,
+        prefill_query_starts=torch.tensor([0] + [s.start + s.num_query_tokens - num_decodes for s in spans],
+                                          dtype=torch.int32),
+        prefill_seq_lens=prefill_lens, prefill_block_tables=tables[num_decodes:],
+        max_prefill_query_len=max(s.num_query_tokens for s in spans),
+        block_tables=tables, token_rows=rows_t.to(torch.int32), token_context_lens=(positions_t + 1).to(torch.int32))
+    tokens = len(rows)
+    query = torch.randn(tokens, heads, head_dim, dtype=dtype)
+    key = torch.randn(tokens, kv_heads, head_dim, dtype=dtype)
+    value = key if parts == 1 else torch.randn(tokens, kv_heads, head_dim, dtype=dtype)
+    return query, key, value, cache, meta
+
+
+def expected_attention(query, key, value, cache, meta, scale, sinks=None):
+    """The references: the step's keys written into a copy of the cache, then decode and prefill."""
+    cache = cache.clone()
+    key_cache, value_cache = cache_views(cache)
+    flat_keys = key_cache.reshape(-1, *key_cache.shape[2:])
+    flat_keys[meta.slot_mapping] = key
+    if cache.shape[0] == 2:
+        value_cache.reshape(-1, *value_cache.shape[2:])[meta.slot_mapping] = value
+    parts = []
+    if meta.num_decodes:
+        parts.append(reference.paged_attention_decode_reference(query[:meta.num_decodes], key_cache, value_cache,
+                                                                meta.decode_block_tables, meta.decode_seq_lens,
+                                                                scale, sinks=sinks))
+    parts.append(reference.paged_attention_prefill_reference(query[meta.num_decodes:], key_cache, value_cache,
+                                                             meta.prefill_block_tables, meta.prefill_query_starts,
+                                                             meta.prefill_seq_lens, scale, sinks=sinks))
+    return torch.cat(parts).flatten(1)
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    """Tiles of 32 positions, so that the 150-position prefix spans five of them (one partial)."""
+    monkeypatch.setattr(attention, "PREFIX_TILE_TOKENS", 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
+@pytest.mark.parametrize("path", ["fused", "torch"])
+def test_mixed_step_matches_reference(dtype, heads, kv_heads, head_dim, path):
+    """The C++ kernel's path (decodes and the short chunk there, the long chunks in flash tiles) and
+    the torch path (no token_rows: every chunk in flash tiles) against the references."""
+    torch.manual_seed(0)
+    query, key, value, cache, meta = make_step(SEQUENCES, heads, kv_heads, head_dim, dtype)
+    if path == "torch":
+        meta.token_rows = None
+    scale = head_dim ** -0.5
+    expected = expected_attention(query, key, value, cache, meta, scale)
+    actual = attention.paged_attention(query, key, value, cache, meta, scale)
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("done,new", [(0, 100), (150, 80), (31, 64), (32, 1)])
+def test_flash_prefill_matches_reference_over_cached_prefix(done, new):
+    """One chunk through flash_prefill alone: fresh, after a prefix of several tiles (the last one
+    partial), a prefix ending one short of a block, a single token after a whole block."""
+    torch.manual_seed(1)
+    query, key, value, cache, meta = make_step([(done, new)], 6, 2, 64, torch.float32, num_decodes=0)
+    span = meta.prefills[0]
+    expected = expected_attention(query, key, value, cache, meta, 0.125)
+    key_slots = cache[0].view(2, -1, 64)
+    value_slots = cache[1].view(2, -1, 64)
+    key_slots[:, meta.slot_mapping], value_slots[:, meta.slot_mapping] = key.transpose(0, 1), value.transpose(0, 1)
+    actual = flash_prefill(query, key, value, cache, span, 0.125)
+    torch.testing.assert_close(actual.flatten(1), expected, **TOLERANCE[torch.float32])
+
+
+def test_flash_prefill_reads_no_block_past_the_prefix():
+    """Positions after the cached prefix in its last block, and blocks outside the table, hold NaN:
+    the tiles must trim them, not let them into the softmax."""
+    torch.manual_seed(2)
+    query, key, value, cache, meta = make_step([(40, 70)], 6, 2, 64, torch.float32, num_decodes=0)
+    span = meta.prefills[0]
+    expected = expected_attention(query, key, value, cache, meta, 0.125)
+    poisoned = torch.full_like(cache, float("nan"))
+    for block in span.block_table.tolist():  # only the prefix's positions survive
+        poisoned[:, :, block] = cache[:, :, block]
+    poisoned.view(2, 2, -1, 64)[:, :, meta.slot_mapping] = float("nan")
+    actual = flash_prefill(query, key, value, poisoned, span, 0.125)
+    torch.testing.assert_close(actual.flatten(1), expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_join_the_denominator(dtype):
+    """gpt-oss's sinks on the torch path: flash tiles with each head's sink logit merged in by the
+    log-sum-exp, as the reference's softmax over [scores, sink]."""
+    torch.manual_seed(3)
+    query, key, value, cache, meta = make_step(SEQUENCES, 8, 2, 64, dtype)
+    sinks = torch.randn(8, dtype=dtype) * 2
+    expected = expected_attention(query, key, value, cache, meta, 0.125, sinks=sinks)
+    actual = attention.paged_attention(query, key, value, cache, meta, 0.125, sinks=sinks)
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
+
+
+def test_one_part_latent_cache():
+    """Multi-head latent attention's cache of one part: keys and values are the same latent."""
+    torch.manual_seed(4)
+    query, key, value, cache, meta = make_step(SEQUENCES, 4, 1, 96, torch.float32, parts=1)
+    expected = expected_attention(query, key, value, cache, meta, 0.1)
+    actual = attention.paged_attention(query, key, value, cache, meta, 0.1)
+    torch.testing.assert_close(actual, expected, **TOLERANCE[torch.float32])
