@@ -123,19 +123,20 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """The C++ kernel for the decodes and short prefill chunks (reading the blocks in place, one
     token at a time), `flash_prefill` for chunks of at least FLASH_MIN_QUERY_TOKENS it takes."""
     num_tokens, num_heads, head_dim = query.shape
-    options = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     long_spans = [span for span in meta.prefills if span.num_query_tokens >= FLASH_MIN_QUERY_TOKENS
                   and flash_takes(span, sliding_window, logits_soft_cap)]
     if not long_spans:
         out = cpu_ops.paged_attention(query, kv_cache, meta.block_tables, meta.token_rows,
-                                      meta.token_context_lens, scale, **options)
+                                      meta.token_context_lens, scale, sliding_window=sliding_window,
+                                      logits_soft_cap=logits_soft_cap)
         return out.view(num_tokens, num_heads * head_dim)
     pieces, kernel_from = [], 0  # the tokens between the long chunks go to the C++ kernel, a run at a time
     for span in long_spans + [PrefillSpan(num_tokens, 0, 0, meta.block_tables[:0])]:
         if span.start > kernel_from:
             rows = slice(kernel_from, span.start)
             pieces.append(cpu_ops.paged_attention(query[rows], kv_cache, meta.block_tables, meta.token_rows[rows],
-                                                  meta.token_context_lens[rows], scale, **options))
+                                                  meta.token_context_lens[rows], scale, sliding_window=sliding_window,
+                                                  logits_soft_cap=logits_soft_cap))
         rows = slice(span.start, span.start + span.num_query_tokens)
         if span.num_query_tokens:
             pieces.append(flash_prefill(query[rows], key[rows], value[rows], kv_cache, span, scale))
