@@ -157,38 +157,21 @@ void lora(T* out, int64_t out_stride, const T* x, int64_t x_stride, const T* at,
 // The bfloat16 path on vdpbf16ps, two products a lane per instruction: A^T and B^T in pairs along
 // the sum (atp [slots][in / 2][width][2], btp [slots][width / 2][out][2], the linear kernel's
 // panel layout), the shrink rounded to bfloat16 in between as torch's two GEMMs round it.
-template <int Rows, int Vectors>
-void shrink_pairs(uint16_t* shrunk, int64_t ranks, const uint16_t* x, int64_t x_stride, const uint16_t* atp,
-                  int64_t width, int64_t in_features) {
+// out[r][c] (=, or += with Accumulate) sum_p in[r][2p, 2p + 1] . w[p][c][0, 1] for Rows rows and
+// columns [0, 16 Vectors) of w (row_width columns a pair row): the shrink (in = x, w = atp, out = the
+// bf16 shrink rows) and the expand (in = the shrink rows, w = btp, out += ) alike.
+template <int Rows, int Vectors, bool Accumulate>
+void pairs_product(uint16_t* out, int64_t out_stride, const uint16_t* in, int64_t in_stride, const uint16_t* w_pairs,
+                   int64_t row_width, int64_t depth) {
   __m512 acc[Rows][Vectors];
   for (int r = 0; r < Rows; ++r)
     for (int v = 0; v < Vectors; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t pair = 0; pair < in_features / 2; ++pair) {
+  for (int64_t pair = 0; pair < depth / 2; ++pair) {
     __m512bh w[Vectors];
-    for (int v = 0; v < Vectors; ++v) w[v] = (__m512bh)_mm512_loadu_si512(atp + (pair * width + v * kLanes) * 2);
+    for (int v = 0; v < Vectors; ++v) w[v] = (__m512bh)_mm512_loadu_si512(w_pairs + (pair * row_width + v * kLanes) * 2);
     for (int r = 0; r < Rows; ++r) {
       int32_t inputs;
-      std::memcpy(&inputs, x + r * x_stride + 2 * pair, sizeof inputs);
-      const __m512bh both = (__m512bh)_mm512_set1_epi32(inputs);
-      for (int v = 0; v < Vectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], both, w[v]);
-    }
-  }
-  for (int r = 0; r < Rows; ++r)
-    for (int v = 0; v < Vectors; ++v) store(reinterpret_cast<bf16*>(shrunk + r * ranks + v * kLanes), (vfloat)acc[r][v]);
-}
-
-template <int Rows, int Vectors>
-void expand_pairs(uint16_t* out, int64_t out_stride, const uint16_t* shrunk, int64_t ranks, const uint16_t* btp,
-                  int64_t out_features) {
-  __m512 acc[Rows][Vectors];
-  for (int r = 0; r < Rows; ++r)
-    for (int v = 0; v < Vectors; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t pair = 0; pair < ranks / 2; ++pair) {
-    __m512bh w[Vectors];
-    for (int v = 0; v < Vectors; ++v) w[v] = (__m512bh)_mm512_loadu_si512(btp + (pair * out_features + v * kLanes) * 2);
-    for (int r = 0; r < Rows; ++r) {
-      int32_t inputs;
-      std::memcpy(&inputs, shrunk + r * ranks + 2 * pair, sizeof inputs);
+      std::memcpy(&inputs, in + r * in_stride + 2 * pair, sizeof inputs);
       const __m512bh both = (__m512bh)_mm512_set1_epi32(inputs);
       for (int v = 0; v < Vectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], both, w[v]);
     }
@@ -196,17 +179,16 @@ void expand_pairs(uint16_t* out, int64_t out_stride, const uint16_t* shrunk, int
   for (int r = 0; r < Rows; ++r)
     for (int v = 0; v < Vectors; ++v) {
       bf16* o = reinterpret_cast<bf16*>(out + r * out_stride + v * kLanes);
-      store(o, load(o) + (vfloat)acc[r][v]);
+      store(o, Accumulate ? load(o) + (vfloat)acc[r][v] : (vfloat)acc[r][v]);  // store rounds to bf16
     }
 }
 
-template <bool Shrink>
-void pairs_tile(int64_t rows, int64_t vectors, uint16_t* out, int64_t out_stride, uint16_t* shrunk, int64_t ranks,
-                const uint16_t* x, int64_t x_stride, const uint16_t* weights, int64_t row_width, int64_t depth) {
+template <bool Accumulate>
+void pairs_tile(int64_t rows, int64_t vectors, uint16_t* out, int64_t out_stride, const uint16_t* in,
+                int64_t in_stride, const uint16_t* w_pairs, int64_t row_width, int64_t depth) {
 #define TILE(R, V)                                                                                    \
   if (rows == R && vectors == V) {                                                                    \
-    if constexpr (Shrink) shrink_pairs<R, V>(shrunk, ranks, x, x_stride, weights, row_width, depth);   \
-    else expand_pairs<R, V>(out, out_stride, shrunk, ranks, weights, row_width);                      \
+    pairs_product<R, V, Accumulate>(out, out_stride, in, in_stride, w_pairs, row_width, depth);       \
     return;                                                                                           \
   }
 #define TILES(R) TILE(R, 1) TILE(R, 2) TILE(R, 3) TILE(R, 4)
@@ -220,7 +202,7 @@ void pairs_tile(int64_t rows, int64_t vectors, uint16_t* out, int64_t out_stride
 
 // segments: [num_segments][3] int64 (first token, tokens, slot). See the top of the file.
 #if defined(__AVX512BF16__)
-// The bfloat16 kernel on pair-packed weights (see shrink_pairs): atp [slots][in / 2][width][2],
+// The bfloat16 kernel on pair-packed weights (see pairs_product): atp [slots][in / 2][width][2],
 // btp [slots][width / 2][out][2]; in even.
 extern "C" void lora_pairs_bf16(uint16_t* out, int64_t out_stride, const uint16_t* x, int64_t x_stride,
                                 const uint16_t* atp, const uint16_t* btp, const int64_t* segments, int64_t num_segments,
@@ -229,13 +211,13 @@ extern "C" void lora_pairs_bf16(uint16_t* out, int64_t out_stride, const uint16_
       segments, num_segments, in_features, ranks, out_features,
       [&](const Item& item, uint16_t* shrunk, int64_t rows, int64_t vectors) {
         const int64_t start = segments[3 * item.segment], slot = segments[3 * item.segment + 2];
-        pairs_tile<true>(rows, vectors, nullptr, 0, shrunk + item.column, ranks, x + (start + item.row) * x_stride,
-                         x_stride, atp + slot * in_features * width + item.column * 2, width, in_features);
+        pairs_tile<false>(rows, vectors, shrunk + item.column, ranks, x + (start + item.row) * x_stride, x_stride,
+                          atp + slot * in_features * width + item.column * 2, width, in_features);
       },
       [&](const Item& item, uint16_t* shrunk, int64_t rows, int64_t vectors) {
         const int64_t start = segments[3 * item.segment], slot = segments[3 * item.segment + 2];
-        pairs_tile<false>(rows, vectors, out + (start + item.row) * out_stride + item.column, out_stride, shrunk,
-                          ranks, nullptr, 0, btp + slot * width * out_features + item.column * 2, out_features, 0);
+        pairs_tile<true>(rows, vectors, out + (start + item.row) * out_stride + item.column, out_stride, shrunk, ranks,
+                         btp + slot * width * out_features + item.column * 2, out_features, ranks);
       });
 }
 #endif
