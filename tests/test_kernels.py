@@ -23,6 +23,18 @@ TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol
              torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
+def on_torch_and_triton(generate):
+    """generate(device) on the torch path and on the Triton kernels (CUDA, or the CPU under the
+    interpreter)."""
+    from backend import ops
+
+    on_torch = generate("cpu")
+    if DEVICE.type == "cuda":
+        return on_torch, generate("cuda")
+    with ops.triton_kernels():
+        return on_torch, generate("cpu")
+
+
 def paged_cache(num_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype):
     """Random key and value caches [num_blocks, block_size, KVH, D] as the engine lays them out:
     views of a head-major [2, KVH, num_blocks, block_size, D] tensor."""
@@ -246,7 +258,7 @@ def test_engine_greedy_tokens_unchanged_on_triton_kernels(tmp_path):
     as Hugging Face."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from backend import LLM, SamplingParams, ops
+    from backend import LLM, SamplingParams
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=192, intermediate_size=384,
@@ -263,12 +275,7 @@ def test_engine_greedy_tokens_unchanged_on_triton_kernels(tmp_path):
         first = llm.generate(prompts[:1], params)  # fills the prefix cache for the second prompt
         return [o.outputs[0].token_ids for o in first + llm.generate(prompts[1:], params)]
 
-    on_torch = generate("cpu")
-    if DEVICE.type == "cuda":
-        on_triton = generate("cuda")
-    else:
-        with ops.triton_kernels():
-            on_triton = generate("cpu")
+    on_torch, on_triton = on_torch_and_triton(generate)
     assert on_triton == on_torch
     for ids, tokens in zip(prompts, on_torch):
         with torch.inference_mode():

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from backend.metrics import (ITERATION_TOKENS_BUCKETS, N_BUCKETS, REQUEST_LATENCY_BUCKETS, MetricsRegistry,
                              buckets_1_2_5)
-from tests.test_triton_model import Stream, is_final, llm_server, make_inputs
+from tests.test_triton_model import Stream, generate, is_final, llm_server, make_inputs
 from tools.triton_server import TritonServer
 
 MAX_MODEL_LEN = 512
@@ -87,15 +87,6 @@ def check_exact(series: dict, name: str, values: list[float], bounds) -> None:
     assert histogram(series, name) == (len(values), sum(values), expected), name
 
 
-def run(server: TritonServer, prompt, params: dict, **flags) -> list:
-    stream = Stream(server.grpc_url)
-    try:
-        stream.send(make_inputs(prompt, params, **flags))
-        return stream.collect()
-    finally:
-        stream.close()
-
-
 def settled(server: TritonServer, num_samples: int) -> dict:
     """The series once every sample is counted and two scrapes 0.6 s apart agree."""
     deadline, previous = time.monotonic() + 60, None
@@ -117,13 +108,13 @@ def test_every_series_equals_what_the_requests_did(server, model_path):
         assert value(before, "vllm:request_success_total", f'finished_reason="{reason}"') == 0
 
     short = "Hello, my name is"
-    run(server, short, {"temperature": 0, "max_tokens": 5, "ignore_eos": True})
+    generate(server, short, {"temperature": 0, "max_tokens": 5, "ignore_eos": True})
     ids = tokenizer("The quick brown fox jumps over the lazy dog and keeps running through the dark "
                     "forest, past the river and the old mill, until night falls over the hills").input_ids[:20]
     assert len(ids) == 20
-    run(server, ids, {"temperature": 1.0, "seed": 3, "n": 3, "max_tokens": 7, "ignore_eos": True})
+    generate(server, ids, {"temperature": 1.0, "seed": 3, "n": 3, "max_tokens": 7, "ignore_eos": True})
     counting = "1, 2, 3, 4, 5,"
-    [stopped] = run(server, counting, {"temperature": 0, "max_tokens": 20, "stop": [" 8"]},
+    [stopped] = generate(server, counting, {"temperature": 0, "max_tokens": 20, "stop": [" 8"]},
                     return_finish_reason=True, return_num_output_tokens=True)
     assert stopped.as_numpy("finish_reason")[0].decode() == "stop"
     stop_tokens = int(stopped.as_numpy("num_output_tokens")[0])

@@ -17,6 +17,7 @@ from backend import LLM, SamplingParams
 from backend.models.layers.moe import (MoEArgs, Router, SparseMoE, grouped_experts, per_token_experts,
                                        sparse_layers)
 from backend.parallel_state import ParallelState
+from tests.test_kernels import on_torch_and_triton
 from tests.test_model_families import PROMPTS, SHAPE, WINDOW, assert_tensor_parallel_matches_hf, hf_greedy, save_random
 
 MOE_SHAPE = dict(num_experts_per_tok=2, initializer_range=0.3)
@@ -331,7 +332,6 @@ def test_moe_model_greedy_tokens_unchanged_on_triton_kernels(tmp_path):
     """A tiny Qwen2-MoE, float32: the same greedy tokens from the CPU's grouped path and from the
     Triton kernels, fused MoE included (through the interpreter, or on CUDA with its graphs), and
     both Hugging Face's."""
-    from backend import ops
 
     model = tiny_moe("qwen2-moe", tmp_path, use_sliding_window=False)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -344,12 +344,7 @@ def test_moe_model_greedy_tokens_unchanged_on_triton_kernels(tmp_path):
         finally:
             llm.shutdown()
 
-    on_torch = generate("cpu")
-    if DEVICE.type == "cuda":
-        on_triton = generate("cuda")
-    else:
-        with ops.triton_kernels():
-            on_triton = generate("cpu")
+    on_torch, on_triton = on_torch_and_triton(generate)
     assert on_triton == on_torch
     assert on_torch == [hf_greedy(model, prompt, 6)[0] for prompt in PROMPTS]
 
