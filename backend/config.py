@@ -55,8 +55,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": "tokens computed per step"})
     kv_cache_memory_bytes: int | None = field(default=None, metadata={
         "help": "KV cache size in bytes; default on a CPU: room for max_num_seqs sequences of "
-                "min(max_model_len, 2048) tokens, at most min(4 GiB, 1/4 of free RAM), resident only as "
-                "blocks are used; on a GPU: what gpu_memory_utilization leaves"})
+                "min(max_model_len, 2048) tokens, at most min(4 GiB, 1/4 of free RAM), resident from "
+                "start-up; on a GPU: what gpu_memory_utilization leaves"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory the engine may use"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of identical prefixes"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})

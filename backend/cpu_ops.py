@@ -252,28 +252,6 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torc
     return out
 
 
-HUGE_PAGE, MADV_HUGEPAGE = 2 << 20, 14
-try:
-    _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
-    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-except (OSError, AttributeError):  # not Linux
-    _libc = None
-
-
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros on 2 MiB pages where the kernel allows (transparent huge pages in "madvise"
-    mode need the ask before the first touch). For the KV cache: attention reads 2 KiB blocks
-    scattered over hundreds of MB, and with 4 KiB pages nearly each one misses the TLB. Random
-    block tables, 64 decodes of 192 positions: 1.3-1.5 -> 1.2-1.3 ms a layer."""
-    tensor = torch.empty(shape, dtype=dtype)
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
-    if last > first and _libc is not None:
-        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_HUGEPAGE)  # a hint: errors ignored
-    return tensor.zero_()
-
-
 @functools.cache
 def own_linear_kernel() -> bool:
     """Whether bfloat16 linears run on `csrc/cpu_linear.cpp`: built for AVX512-BF16, on a CPU

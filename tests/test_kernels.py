@@ -5,6 +5,8 @@ through Triton's interpreter (backend/kernels/jit.py sets it up), so shapes stay
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -310,3 +312,33 @@ def test_kv_budget_and_profiling_step():
     assert max_step_tokens(EngineConfig(max_num_batched_tokens=512), 8192) == 512
     assert profile_sequence_lengths(2048, 8192) == [2048]
     assert profile_sequence_lengths(5000, 2048) == [2048, 2048, 904]
+
+
+def test_cpu_kv_cache_is_resident_zeros_from_the_start():
+    """The CPU cache is faulted in at allocation (first touches inside a step cost its prefill up
+    to 45%), and on huge pages where the kernel gives them to a madvise'd private mapping."""
+    from backend.kv_memory import KVCacheLayout, allocate_kv_caches
+
+    layout = KVCacheLayout(num_layers=2, num_kv_heads=3, block_size=16, head_dim=64, dtype=torch.bfloat16)
+    caches = allocate_kv_caches(layout, 2048, torch.device("cpu"))  # 2 x 24 MiB
+    kib = 2 * 3 * 2048 * 16 * 64 * 2 // 1024
+    for cache in caches:  # before anything reads it (a read maps untouched pages to the zero page)
+        assert _smaps_kib(cache.data_ptr(), "Rss") >= kib
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert _smaps_kib(caches[0].data_ptr(), "AnonHugePages") > 0, "the cache is on 4 KiB pages"
+    assert [tuple(c.shape) for c in caches] == [layout.shape(2048)] * 2
+    assert all(c.dtype == torch.bfloat16 and not c.any() for c in caches)
+
+
+def _smaps_kib(address: int, field: str) -> int:
+    """A field (Rss, AnonHugePages, ...) of the mapping holding `address`, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0

@@ -83,6 +83,8 @@ def expected_attention(query, key, value, cache, meta, scale, sinks=None):
 def small_tiles(monkeypatch):
     """Tiles of 32 positions, so that the 150-position prefix spans five of them (one partial)."""
     monkeypatch.setattr(attention, "PREFIX_TILE_TOKENS", 32)
+    # ...and chunks of this size already count as long, so that the small cases reach flash_prefill.
+    monkeypatch.setattr(attention, "FLASH_MIN_QUERY_TOKENS", 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
