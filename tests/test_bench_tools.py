@@ -11,7 +11,7 @@ import pytest
 from tools.bench import cli as bench
 from tools.bench import servers
 from tools.bench.external_clients import aiperf_command, figures_from_export
-from tools.bench.report import percentile
+from tools.bench.report import RequestRecord, percentile, summarize
 from tools.bench.runners import run_server_mode
 from tools.bench.workloads import make_workload
 
@@ -243,3 +243,44 @@ def test_vllm_offline_script_runs_by_path_in_another_python(tmp_path, monkeypatc
     assert figures["output_tokens_per_s"] * figures["seconds"] == pytest.approx(8)
     assert figures["request_throughput"] * figures["seconds"] == pytest.approx(2)
     assert 0 < figures["ttft_p50_ms"] <= figures["e2e_p99_ms"]  # each request's first token, as ours are timed
+
+
+def test_goodput_counts_requests_meeting_every_objective():
+    # TTFT 0.1 s / TPOT (1.1 - 0.1) / 10 = 0.1 s; TTFT 0.5 s / TPOT 0.05 s; TTFT 0.1 s / TPOT 0.3 s;
+    # one token (no TPOT, counted as 0, as vLLM does); a failed request never counts.
+    records = [RequestRecord(8, 11, ttft=0.1, e2e=1.1), RequestRecord(8, 11, ttft=0.5, e2e=1.0),
+               RequestRecord(8, 11, ttft=0.1, e2e=3.1), RequestRecord(8, 1, ttft=0.2, e2e=0.2),
+               RequestRecord(8, error="boom")]
+    assert "goodput" not in summarize(records, 2.0)
+    assert summarize(records, 2.0, {"ttft": 200})["goodput"] == 3 / 2.0
+    assert summarize(records, 2.0, {"ttft": 200, "tpot": 100})["goodput"] == 2 / 2.0
+    assert summarize(records, 2.0, {"ttft": 600, "tpot": 60})["goodput"] == 2 / 2.0
+    assert summarize(records, 2.0, {"e2el": 1000})["goodput"] == 2 / 2.0
+
+
+def test_goodput_objectives_parse_as_vllm_spells_them(tmp_path, capsys):
+    assert bench_args("--goodput", "ttft:2000", "tpot:150").goodput == [("ttft", 2000.0), ("tpot", 150.0)]
+    for wrong in ("itl:5", "ttft", "ttft:fast"):
+        with pytest.raises(SystemExit):
+            bench_args("--goodput", wrong)
+        assert "--goodput" in capsys.readouterr().err
+
+
+def test_client_vllm_bench_gets_the_goodput_objectives(tmp_path):
+    seen = tmp_path / "seen.json"
+    stand_in = tmp_path / "python"
+    result = {"output_throughput": 400.0, "request_throughput": 3.1, "total_input_tokens": 8192, "duration": 20.0,
+              "request_goodput": 2.5}
+    stand_in.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"open({str(seen)!r}, 'w').write(json.dumps(sys.argv))\n"
+        "out = sys.argv[sys.argv.index('--result-dir') + 1]\n"
+        f"open(os.path.join(out, 'result.json'), 'w').write({json.dumps(result)!r})\n")
+    stand_in.chmod(0o755)
+    args = bench_args("--client", "vllm-bench", "--vllm-python", str(stand_in), "--model", str(tmp_path),
+                      "--goodput", "ttft:2000", "tpot:150")
+    args.concurrency = [8]
+    [summary] = run_server_mode("openai", {"openai": "http://127.0.0.1:9", "model": "llm"}, args, None)
+    argv = json.loads(seen.read_text())
+    assert argv[argv.index("--goodput") + 1:argv.index("--goodput") + 3] == ["ttft:2000", "tpot:150"]
+    assert summary["goodput"] == 2.5

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tools.bench
-from tools.bench.report import plot, print_report
+from tools.bench.report import GOODPUT_METRICS, plot, print_report
 from tools.bench.runners import OFFLINE_RUNNERS, run_server_mode
 from tools.bench.servers import start_tritonllm, start_vllm_serve, stop
 from tools.bench.workloads import DEFAULT_INPUT_LEN, DEFAULT_NUM_PROMPTS, WORKLOADS, make_workload, resolved_model
@@ -41,6 +41,17 @@ def plan_runs(modes: list[str], dtypes: list[str], vllm_cores: list[str]) -> lis
     return runs
 
 
+def goodput_objective(text: str) -> tuple[str, float]:
+    """`ttft:500` -> ("ttft", 500.0): a latency objective in milliseconds, named as vLLM names it."""
+    key, _, value = text.partition(":")
+    if key not in GOODPUT_METRICS or not value:
+        raise argparse.ArgumentTypeError(f"expected KEY:MS with KEY one of {', '.join(GOODPUT_METRICS)} (got {text!r})")
+    try:
+        return key, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{key}: milliseconds must be a number (got {value!r})") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="offline,hf-sequential",
                         help=f"comma-separated, from: {', '.join(MODES)}")
@@ -55,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-args", default="{}", help="JSON of extra EngineConfig fields")
     parser.add_argument("--concurrency", default="64", help="comma-separated, for server modes")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson)")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", type=goodput_objective,
+                        help="service-level objectives, as `vllm bench serve --goodput`: ttft:MS tpot:MS "
+                             "e2el:MS (any of them); served runs then report goodput, the requests/s that "
+                             "met every one")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="tokens per streamed chunk for the servers we start, ours and `vllm serve` alike "
                              "(vLLM's --stream-interval; 1 streams every token)")

@@ -31,12 +31,16 @@ def run_vllm_bench_client(urls: dict, args, concurrency: int, tokenizer: str, ca
                    "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
                    "--extra-body", json.dumps({"cache_salt": cache_salt}),
                    "--save-result", "--result-dir", tmp, "--result-filename", "result.json"]
+        if args.goodput:
+            command += ["--goodput", *(f"{key}:{limit:g}" for key, limit in args.goodput)]
         subprocess.run(command, check=True, env=vllm_environment(args), stdout=sys.stderr)
         figures = json.loads((Path(tmp) / "result.json").read_text())
     summary = {"output_tokens_per_s": figures["output_throughput"],
                "request_throughput": figures["request_throughput"],
                "input_tokens_per_s": figures.get("total_input_tokens", 0) / figures["duration"],
                "client": "vllm bench serve"}
+    if args.goodput:
+        summary["goodput"] = figures.get("request_goodput")
     for metric in ("ttft", "tpot", "itl", "e2el"):
         for p in (50, 90, 99):
             value = figures.get(f"p{p}_{metric}_ms", figures.get(f"median_{metric}_ms") if p == 50 else None)

@@ -27,7 +27,18 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (index - low)
 
 
-def summarize(records: list[RequestRecord], elapsed: float) -> dict:
+# `--goodput` keys (vLLM's names) -> a request's latency in seconds, or None where it has none.
+GOODPUT_METRICS = {
+    "ttft": lambda r: r.ttft,
+    "tpot": lambda r: (r.e2e - r.ttft) / (r.output_tokens - 1) if r.ttft is not None and r.e2e is not None
+    and r.output_tokens > 1 else 0.0,  # (one token: no decode, as vLLM counts it)
+    "e2el": lambda r: r.e2e,
+}
+
+
+def summarize(records: list[RequestRecord], elapsed: float, objectives: dict[str, float] | None = None) -> dict:
+    """Throughput and latency percentiles; with `objectives` ({"ttft": ms, ...}, `--goodput`) also
+    goodput: the requests/s that met every objective, as `vllm bench serve --goodput` counts it."""
     ok = [r for r in records if r.error is None]
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok
              if r.ttft is not None and r.e2e is not None and r.output_tokens > 1]
@@ -41,6 +52,10 @@ def summarize(records: list[RequestRecord], elapsed: float) -> dict:
         for q in (50, 90, 99):
             value = percentile(values, q)
             summary[f"{name}_p{q}_ms"] = None if value is None else value * 1000
+    if objectives:
+        good = [r for r in ok if all((latency := GOODPUT_METRICS[key](r)) is not None and latency * 1000 <= limit
+                                     for key, limit in objectives.items())]
+        summary["goodput"] = len(good) / elapsed
     return summary
 
 
@@ -81,7 +96,7 @@ def labelled(mode: str, figures: dict | list[dict]) -> list[tuple[str, dict]]:
 def print_report(results: dict, references: dict[str, str | None]) -> None:
     """One line per figure; `references` names each label's offline run at the same dtype."""
     print(f"{'mode':<40}{'out tok/s':>10}{'in tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}"
-          f"{'E2E p99':>10}{'peak KV':>9}{'preempt':>8}{'prefix hit':>11}{'vs offline':>11}")
+          f"{'E2E p99':>10}{'peak KV':>9}{'preempt':>8}{'prefix hit':>11}{'vs offline':>11}{'goodput':>9}")
     for mode, figures in results.items():
         reference = results.get(references.get(mode) or "", {}).get("output_tokens_per_s")
         for label, entry in labelled(mode, figures):
@@ -92,7 +107,7 @@ def print_report(results: dict, references: dict[str, str | None]) -> None:
                   f"{fmt(entry.get('itl_p50_ms'), 0):>9}{fmt(entry.get('e2e_p99_ms'), 0):>10}"
                   f"{fmt(entry.get('peak_kv_usage'), 2):>9}{fmt(entry.get('preemptions'), 0):>8}"
                   f"{fmt(entry.get('prefix_cache_hit_rate'), 2):>11}"
-                  f"{fmt(ratio, 2) + 'x' if ratio else '-':>11}")
+                  f"{fmt(ratio, 2) + 'x' if ratio else '-':>11}{fmt(entry.get('goodput'), 2):>9}")
 
 
 def plot(results: dict, path: str) -> None:

@@ -149,4 +149,4 @@ async def run_builtin_client(mode: str, urls: dict, args, workload: Workload, co
                                                  args.request_rate, args.seed, cache_salt)
     watcher.stopped = True
     await task
-    return {**summarize(records, elapsed), "peak_kv_usage": watcher.peak_kv or None}
+    return {**summarize(records, elapsed, dict(args.goodput or [])), "peak_kv_usage": watcher.peak_kv or None}
