@@ -27,11 +27,17 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (index - low)
 
 
+def request_tpot(record: RequestRecord) -> float | None:
+    """(E2E - TTFT) / (tokens - 1); None for a request of one token or without both timings."""
+    if record.ttft is None or record.e2e is None or record.output_tokens < 2:
+        return None
+    return (record.e2e - record.ttft) / (record.output_tokens - 1)
+
+
 # `--goodput` keys (vLLM's names) -> a request's latency in seconds, or None where it has none.
 GOODPUT_METRICS = {
     "ttft": lambda r: r.ttft,
-    "tpot": lambda r: (r.e2e - r.ttft) / (r.output_tokens - 1) if r.ttft is not None and r.e2e is not None
-    and r.output_tokens > 1 else 0.0,  # (one token: no decode, as vLLM counts it)
+    "tpot": lambda r: request_tpot(r) or 0.0,  # one token: no decode, which vLLM counts as 0
     "e2el": lambda r: r.e2e,
 }
 
@@ -40,8 +46,7 @@ def summarize(records: list[RequestRecord], elapsed: float, objectives: dict[str
     """Throughput and latency percentiles; with `objectives` ({"ttft": ms, ...}, `--goodput`) also
     goodput: the requests/s that met every objective, as `vllm bench serve --goodput` counts it."""
     ok = [r for r in records if r.error is None]
-    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok
-             if r.ttft is not None and r.e2e is not None and r.output_tokens > 1]
+    tpots = [tpot for tpot in map(request_tpot, ok) if tpot is not None]
     series = {"ttft": [r.ttft for r in ok if r.ttft is not None], "tpot": tpots,
               "itl": [gap for r in ok for gap in r.itls], "e2e": [r.e2e for r in ok if r.e2e is not None]}
     summary = {"requests": len(records), "failed": len(records) - len(ok), "seconds": elapsed,
