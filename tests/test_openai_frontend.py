@@ -346,7 +346,7 @@ def test_bench_openai_runs_start_with_a_cold_prefix_cache(serve, model_name, tok
     monkeypatch.setenv("OPENAI_API_KEY", API_KEY)  # read as `vllm bench serve` reads it
     workload = make_workload("fixed", tokenizer, 4, 0, 48, 3)
     urls = {"openai": serve.url, "model": model_name, "metrics": serve.metrics_url}
-    args = argparse.Namespace(concurrency=[4, 4], client="builtin", request_rate=float("inf"), seed=0)
+    args = argparse.Namespace(concurrency=[4, 4], client="builtin", request_rate=float("inf"), seed=0, goodput=None)
     results = runners.run_server_mode("openai", urls, args, workload)
     assert [(r["failed"], r["prefix_cache_hit_rate"]) for r in results] == [(0, 0.0), (0, 0.0)]
     assert all(r["output_tokens_per_s"] * r["seconds"] == pytest.approx(12) for r in results)

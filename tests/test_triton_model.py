@@ -374,7 +374,7 @@ def test_bench_runs_on_one_server_start_with_a_cold_prefix_cache(server, tokeniz
 
     workload = make_workload("fixed", tokenizer, 4, 0, 48, 2)
     urls = {"grpc": server.grpc_url, "metrics": server.metrics_url}
-    args = argparse.Namespace(concurrency=[4, 4], client="builtin", request_rate=float("inf"), seed=0)
+    args = argparse.Namespace(concurrency=[4, 4], client="builtin", request_rate=float("inf"), seed=0, goodput=None)
     results = runners.run_server_mode("triton", urls, args, workload)
     assert [(r["requests"], r["failed"], r["prefix_cache_hit_rate"]) for r in results] == [(4, 0, 0.0), (4, 0, 0.0)]
     # The same salt twice: the second run finds the first's full blocks, and the bench reports it.
