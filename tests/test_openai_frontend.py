@@ -492,10 +492,13 @@ def test_client_disconnect_frees_the_requests_blocks(serve, model_name, stream):
     with httpx.Client(timeout=httpx.Timeout(60, read=3 if not stream else 60), headers=AUTH) as http:
         if stream:
             with http.stream("POST", f"{serve.url}/v1/completions", json=body) as response:
+                # Read on until the metrics (updated every 0.5 s) show the request: leaving the loop closes
+                # the stream, and 10 tokens can come faster than one update.
                 for i, _ in enumerate(response.iter_lines()):
-                    if i == 20:
-                        break
-                running, usage = engine_load(serve)
+                    if i >= 20:
+                        running, usage = engine_load(serve)
+                        if (running == 1 and usage > 0) or i == 400:
+                            break
         else:
             with pytest.raises(httpx.ReadTimeout):
                 http.post(f"{serve.url}/v1/completions", json=body)
