@@ -133,7 +133,7 @@ def resident_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             pass
     pages[::SMALL_PAGE].zero_()
     # frombuffer keeps the mapping alive as long as the tensor.
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes).view(dtype).view(shape)
+    return pages[:num_bytes].view(dtype).view(shape)
 
 
 def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
