@@ -131,6 +131,20 @@ def test_aiperf_export_becomes_the_bench_figures():
     assert figures_from_export(failing)["failed"] == 3.0 and figures_from_export(failing)["requests"] == 67.0
 
 
+def test_aiperf_gets_the_goodput_objectives_in_its_names():
+    command = aiperf_command("aiperf", "u", "m", "t", input_len=1, output_len=1, num_prompts=1, concurrency=1,
+                             request_rate=2.0, seed=0, artifact_dir="d",
+                             goodput=[("ttft", 2000.0), ("tpot", 150.0), ("e2el", 30000.0)])
+    # one argument, as aiperf takes it; its inter_token_latency is per request, as vLLM's tpot
+    assert command[command.index("--goodput") + 1] == (
+        "time_to_first_token:2000 inter_token_latency:150 request_latency:30000")
+    assert "--goodput" not in aiperf_command("aiperf", "u", "m", "t", input_len=1, output_len=1, num_prompts=1,
+                                             concurrency=1, request_rate=2.0, seed=0, artifact_dir="d")
+    assert "goodput" not in figures_from_export(AIPERF_EXPORT)  # not asked for: no column
+    export = {**AIPERF_EXPORT, "goodput": {"unit": "requests/sec", "avg": 1.75}}
+    assert figures_from_export(export)["goodput"] == 1.75
+
+
 def test_client_aiperf_runs_the_given_executable_per_concurrency(tmp_path, monkeypatch):
     # A stand-in executable: it records what it was run with and writes the real export above
     # where aiperf would, so this checks the bench's plumbing without aiperf installed.

@@ -56,14 +56,19 @@ EXPORT = "profile_export_aiperf.json"
 # is every gap between streamed chunks: our ITL.
 METRICS = {"ttft": "time_to_first_token", "tpot": "inter_token_latency", "itl": "inter_chunk_latency",
            "e2e": "request_latency"}
+# --goodput's objectives (vLLM's names) in aiperf's: its objective on inter_token_latency is per
+# request, as vLLM's tpot is.
+GOODPUT_METRICS = {"ttft": "time_to_first_token", "tpot": "inter_token_latency", "e2el": "request_latency"}
 
 
 def aiperf_command(aiperf: str, url: str, model: str, tokenizer: str, *, input_len: int, output_len: int,
                    num_prompts: int, concurrency: int, request_rate: float, seed: int,
-                   artifact_dir: str, cache_salt: str | None = None) -> list[str]:
+                   artifact_dir: str, cache_salt: str | None = None,
+                   goodput: list[tuple[str, float]] | None = None) -> list[str]:
     """`aiperf profile` with vllm-bench's workload: random-token prompts of exactly `input_len`,
     `output_len` tokens out (ignore_eos; the server's default temperature, as `vllm bench serve`
-    leaves it), streamed from /v1/completions."""
+    leaves it), streamed from /v1/completions; with `goodput` objectives ((key, ms), vLLM's keys),
+    aiperf's goodput as well."""
     command = [aiperf, "profile", "--model", model, "--tokenizer", tokenizer, "--url", url,
                "--endpoint-type", "completions", "--streaming",
                "--isl", str(input_len), "--isl-stddev", "0", "--osl", str(output_len), "--osl-stddev", "0",
@@ -80,6 +85,8 @@ def aiperf_command(aiperf: str, url: str, model: str, tokenizer: str, *, input_l
         command += ["--extra-inputs", f"cache_salt:{cache_salt}"]
     if not math.isinf(request_rate):  # Poisson arrivals (aiperf's default pattern) under the concurrency cap
         command += ["--request-rate", str(request_rate)]
+    if goodput:  # one argument: "time_to_first_token:2000 inter_token_latency:150"
+        command += ["--goodput", " ".join(f"{GOODPUT_METRICS[key]}:{limit:g}" for key, limit in goodput)]
     return command
 
 
@@ -98,6 +105,8 @@ def figures_from_export(export: dict) -> dict:
     for ours, theirs in METRICS.items():
         for p in (50, 90, 99):
             summary[f"{ours}_p{p}_ms"] = export.get(theirs, {}).get(f"p{p}")
+    if "goodput" in export:  # only when asked for (--goodput)
+        summary["goodput"] = avg("goodput")
     return summary
 
 
@@ -111,6 +120,6 @@ def run_aiperf_client(urls: dict, args, concurrency: int, tokenizer: str, cache_
                                  input_len=args.input_len, output_len=args.output_len,
                                  num_prompts=args.num_prompts, concurrency=concurrency,
                                  request_rate=args.request_rate, seed=args.seed, artifact_dir=tmp,
-                                 cache_salt=cache_salt)
+                                 cache_salt=cache_salt, goodput=args.goodput)
         subprocess.run(command, check=True, env=env, stdout=sys.stderr)
         return figures_from_export(json.loads((Path(tmp) / EXPORT).read_text()))
