@@ -91,6 +91,24 @@ def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim):
     close(actual, expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_over_long_contexts_matches_reference(dtype):
+    """Contexts past kMaxPrefetchBytes of keys and values (the kernel then does not prefetch them
+    while the item before computes), between short ones that it does prefetch."""
+    torch.manual_seed(0)
+    kv_heads, heads, head_dim, num_blocks, block_size = 3, 9, 64, 400, 16
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    seq_lens = torch.tensor([40, 3000, 1100, 7, 2049], dtype=torch.int32)
+    width = -(-int(seq_lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in seq_lens]).to(torch.int32)
+    query = torch.randn(len(seq_lens), heads, head_dim, dtype=dtype)
+    rows = torch.arange(len(seq_lens), dtype=torch.int32)
+    actual = cpu_ops.paged_attention(query, cache, tables, rows, seq_lens, head_dim ** -0.5)
+    expected = reference.paged_attention_decode_reference(query, *cache_views(cache), tables, seq_lens,
+                                                          head_dim ** -0.5)
+    close(actual, expected, dtype)
+
+
 def test_decode_attention_ignores_blocks_beyond_each_sequence():
     """Padding entries of the block table and slots past seq_len may hold anything, even NaN."""
     torch.manual_seed(0)
