@@ -58,7 +58,7 @@ METRICS = {"ttft": "time_to_first_token", "tpot": "inter_token_latency", "itl": 
            "e2e": "request_latency"}
 # --goodput's objectives (vLLM's names) in aiperf's: its objective on inter_token_latency is per
 # request, as vLLM's tpot is.
-GOODPUT_METRICS = {"ttft": "time_to_first_token", "tpot": "inter_token_latency", "e2el": "request_latency"}
+AIPERF_GOODPUT_NAMES = {"ttft": "time_to_first_token", "tpot": "inter_token_latency", "e2el": "request_latency"}
 
 
 def aiperf_command(aiperf: str, url: str, model: str, tokenizer: str, *, input_len: int, output_len: int,
@@ -86,7 +86,7 @@ def aiperf_command(aiperf: str, url: str, model: str, tokenizer: str, *, input_l
     if not math.isinf(request_rate):  # Poisson arrivals (aiperf's default pattern) under the concurrency cap
         command += ["--request-rate", str(request_rate)]
     if goodput:  # one argument: "time_to_first_token:2000 inter_token_latency:150"
-        command += ["--goodput", " ".join(f"{GOODPUT_METRICS[key]}:{limit:g}" for key, limit in goodput)]
+        command += ["--goodput", " ".join(f"{AIPERF_GOODPUT_NAMES[key]}:{limit:g}" for key, limit in goodput)]
     return command
 
 
