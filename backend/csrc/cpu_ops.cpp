@@ -427,8 +427,7 @@ void paged_attention(T* out, const T* query, const T* cache, const int32_t* bloc
   // the first of its chunk: the token before it has just read the same blocks (prefetching them
   // anyway: prefill 2-3% slower). Nor for an item with more than kMaxPrefetchBytes of keys and
   // values: the current item and the next must fit in L2 together, or the next's evict the
-  // current's before they are read (4 decodes of 8,000 positions, 30 layers: 1.89-2.08 -> 1.47-1.73
-  // ms a layer; from 200 to 2,000 positions the same either way).
+  // current's before they are read (long contexts; docs/benchmarks.md, "Long prompts").
   auto to_prefetch = [&](int64_t item) {
     const int64_t t = item / kv_heads;
     if (item >= items || (t > 0 && token_rows[t] == token_rows[t - 1])) return Item<T>{};
