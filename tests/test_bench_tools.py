@@ -250,6 +250,9 @@ def test_vllm_offline_script_runs_by_path_in_another_python(tmp_path, monkeypatc
         "class LLM:\n"
         "    def __init__(self, model, dtype, seed): assert dtype == 'float32'; self.llm_engine = Engine()\n"
         "    def generate(self, prompts, params):\n"
+        "        if isinstance(params, list) and len(params) != len(prompts):  # vLLM refuses it too\n"
+        "            raise ValueError(f'The lengths of prompts ({len(prompts)}) and params ({len(params)})')\n"
+        "        params = params if isinstance(params, list) else [params] * len(prompts)\n"
         "        return [N(outputs=[N(token_ids=[7] * p.max_tokens)]) for p in params]\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     args = bench_args("--vllm-python", sys.executable, "--model", str(tmp_path), "--dtype", "float32")
@@ -257,6 +260,8 @@ def test_vllm_offline_script_runs_by_path_in_another_python(tmp_path, monkeypatc
     assert figures["output_tokens_per_s"] * figures["seconds"] == pytest.approx(8)
     assert figures["request_throughput"] * figures["seconds"] == pytest.approx(2)
     assert 0 < figures["ttft_p50_ms"] <= figures["e2e_p99_ms"]  # each request's first token, as ours are timed
+    one = run_vllm_offline(args, Workload("w", [[1, 2, 3]], [4]))  # --num-prompts 1: one warm-up prompt
+    assert one["output_tokens_per_s"] * one["seconds"] == pytest.approx(4)
 
 
 def test_goodput_counts_requests_meeting_every_objective():

@@ -23,7 +23,7 @@ def main(spec_path: str, result_path: str) -> None:
     start = time.perf_counter()
     llm = LLM(spec["model"], dtype=spec["dtype"], seed=0)
     startup = time.perf_counter() - start
-    llm.generate([{"prompt_token_ids": p} for p in spec["warm_up"]], [SamplingParams(max_tokens=4)] * 2)
+    llm.generate([{"prompt_token_ids": p} for p in spec["warm_up"]], SamplingParams(max_tokens=4))
     engine = llm.llm_engine
     added, first, records = {}, {}, {}
     start = time.perf_counter()
