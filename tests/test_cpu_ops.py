@@ -74,39 +74,34 @@ def test_reshape_and_cache_matches_reference(dtype):
     assert torch.equal(cache, expected)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 64), (16, 2, 128), (4, 1, 128)])
-def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim):
+def check_decode_attention(dtype, heads, kv_heads, head_dim, seq_lens: list[int], num_blocks: int) -> None:
+    """One decode token per sequence, over random blocks, against the reference."""
     torch.manual_seed(0)
-    num_blocks, block_size = 40, 16
+    block_size = 16
     cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
-    seq_lens = torch.tensor([1, 15, 16, 17, 100, 33, 250], dtype=torch.int32)  # partial chunks, one token
-    width = -(-int(seq_lens.max()) // block_size)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    width = -(-max(seq_lens) // block_size)
     tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in seq_lens]).to(torch.int32)
     query = torch.randn(len(seq_lens), heads, head_dim, dtype=dtype)
     rows = torch.arange(len(seq_lens), dtype=torch.int32)
-    actual = cpu_ops.paged_attention(query, cache, tables, rows, seq_lens, head_dim ** -0.5)
-    expected = reference.paged_attention_decode_reference(query, *cache_views(cache), tables, seq_lens,
+    actual = cpu_ops.paged_attention(query, cache, tables, rows, lens, head_dim ** -0.5)
+    expected = reference.paged_attention_decode_reference(query, *cache_views(cache), tables, lens,
                                                           head_dim ** -0.5)
     close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 64), (16, 2, 128), (4, 1, 128)])
+def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim):
+    # partial chunks, one token
+    check_decode_attention(dtype, heads, kv_heads, head_dim, [1, 15, 16, 17, 100, 33, 250], num_blocks=40)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_over_long_contexts_matches_reference(dtype):
     """Contexts past kMaxPrefetchBytes of keys and values (the kernel then does not prefetch them
     while the item before computes), between short ones that it does prefetch."""
-    torch.manual_seed(0)
-    kv_heads, heads, head_dim, num_blocks, block_size = 3, 9, 64, 400, 16
-    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
-    seq_lens = torch.tensor([40, 3000, 1100, 7, 2049], dtype=torch.int32)
-    width = -(-int(seq_lens.max()) // block_size)
-    tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in seq_lens]).to(torch.int32)
-    query = torch.randn(len(seq_lens), heads, head_dim, dtype=dtype)
-    rows = torch.arange(len(seq_lens), dtype=torch.int32)
-    actual = cpu_ops.paged_attention(query, cache, tables, rows, seq_lens, head_dim ** -0.5)
-    expected = reference.paged_attention_decode_reference(query, *cache_views(cache), tables, seq_lens,
-                                                          head_dim ** -0.5)
-    close(actual, expected, dtype)
+    check_decode_attention(dtype, 9, 3, 64, [40, 3000, 1100, 7, 2049], num_blocks=400)
 
 
 def test_decode_attention_ignores_blocks_beyond_each_sequence():
