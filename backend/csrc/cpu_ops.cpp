@@ -22,16 +22,18 @@
 
 namespace {
 
-// Horizontal reductions in four shuffle steps (lane i meets lane i ^ 8, ^ 4, ^ 2, ^ 1).
-template <typename Op> inline float reduce_lanes(vfloat v, Op op) {
-  const vint swap8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  const vint swap4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const vint swap2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const vint swap1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  v = op(v, __builtin_shuffle(v, swap8));
-  v = op(v, __builtin_shuffle(v, swap4));
-  v = op(v, __builtin_shuffle(v, swap2));
-  return op(v, __builtin_shuffle(v, swap1))[0];
+// Lane i ^ H of v in lane i: a constant mask once GCC unrolls the loop.
+template <int H> __attribute__((always_inline)) inline vint swap_mask() {
+  vint mask;
+  for (int i = 0; i < kLanes; ++i) mask[i] = i ^ H;
+  return mask;
+}
+
+// Horizontal reductions in log2(kLanes) shuffle steps (lane i meets lane i ^ kLanes / 2, ..., ^ 1).
+template <int H = kLanes / 2, typename Op> __attribute__((always_inline)) inline float reduce_lanes(vfloat v, Op op) {
+  v = op(v, __builtin_shuffle(v, swap_mask<H>()));
+  if constexpr (H == 1) return v[0];
+  else return reduce_lanes<H / 2>(v, op);
 }
 inline float sum_lanes(vfloat v) { return reduce_lanes(v, [](vfloat a, vfloat b) { return a + b; }); }
 inline float max_lanes(vfloat v) { return reduce_lanes(v, [](vfloat a, vfloat b) { return a > b ? a : b; }); }
@@ -105,35 +107,30 @@ void reshape_and_cache(T* cache, const T* key, int64_t key_stride, const T* valu
   }
 }
 
-// Sums of 16 vectors at once: lane i of the result is the sum of the lanes of parts[kReversed[i]].
-// Four rounds of pairwise shuffles and adds instead of 16 separate horizontal sums.
-constexpr int kReversed[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-
-// Per 2w-lane segment: [x's low w lanes + x's high w lanes, the same of y]. `low` picks
-// the low halves; adding w picks the high ones.
-template <int W> inline vfloat fold(vfloat x, vfloat y);
-template <> inline vfloat fold<8>(vfloat x, vfloat y) {
-  const vint low = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  return __builtin_shuffle(x, y, low) + __builtin_shuffle(x, y, low + 8);
-}
-template <> inline vfloat fold<4>(vfloat x, vfloat y) {
-  const vint low = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-  return __builtin_shuffle(x, y, low) + __builtin_shuffle(x, y, low + 4);
-}
-template <> inline vfloat fold<2>(vfloat x, vfloat y) {
-  const vint low = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  return __builtin_shuffle(x, y, low) + __builtin_shuffle(x, y, low + 2);
-}
-template <> inline vfloat fold<1>(vfloat x, vfloat y) {
-  const vint low = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-  return __builtin_shuffle(x, y, low) + __builtin_shuffle(x, y, low + 1);
+// Sums of kLanes vectors at once: lane i of the result is the sum of the lanes of parts[reversed(i)]
+// (i's log2(kLanes) bits reversed). log2(kLanes) rounds of pairwise shuffles and adds instead of
+// kLanes separate horizontal sums.
+constexpr int reversed(int i) {
+  int r = 0;
+  for (int bit = 1; bit < kLanes; bit <<= 1) r = (r << 1) | ((i & bit) ? 1 : 0);
+  return r;
 }
 
-inline vfloat sum_each(vfloat p[kLanes]) {
-  for (int i = 0; i < 8; ++i) p[i] = fold<8>(p[2 * i], p[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) p[i] = fold<4>(p[2 * i], p[2 * i + 1]);
-  for (int i = 0; i < 2; ++i) p[i] = fold<2>(p[2 * i], p[2 * i + 1]);
-  return fold<1>(p[0], p[1]);
+// Per 2W-lane segment: [x's low W lanes + x's high W lanes, the same of y]. `low` picks
+// the low halves; adding W picks the high ones.
+template <int W> __attribute__((always_inline)) inline vfloat fold(vfloat x, vfloat y) {
+  vint low;
+  for (int i = 0; i < kLanes; ++i) low[i] = i / (2 * W) * (2 * W) + i % W + (i % (2 * W) >= W ? kLanes : 0);
+  return __builtin_shuffle(x, y, low) + __builtin_shuffle(x, y, low + W);
+}
+
+template <int W = kLanes / 2> __attribute__((always_inline)) inline vfloat sum_each(vfloat p[]) {
+  if constexpr (W == 1) {
+    return fold<1>(p[0], p[1]);
+  } else {
+    for (int i = 0; i < W; ++i) p[i] = fold<W>(p[2 * i], p[2 * i + 1]);
+    return sum_each<W / 2>(p);
+  }
 }
 
 // x [rows, 2 * size] (gate, then up) -> silu(gate) * up, silu rounded to T first as torch does.
@@ -175,7 +172,7 @@ __attribute__((always_inline)) inline vfloat soft_cap(vfloat scores, float cap) 
   return cap - (2.f * cap) / (exp_lanes(scores * (2.f / cap)) + 1.f);
 }
 
-// Ask for the keys and values of an item's positions [start, start + 16) into the cache level
+// Ask for the keys and values of an item's positions [start, start + kLanes) into the cache level
 // `Locality` names (__builtin_prefetch's: 3 = L1, 2 = L2).
 template <int Locality, typename T>
 __attribute__((always_inline)) inline void prefetch_rows(const Item<T>& item, int64_t start, int64_t block_size,
@@ -190,7 +187,7 @@ __attribute__((always_inline)) inline void prefetch_rows(const Item<T>& item, in
   }
 }
 
-// Where the 16 positions from `next` do not follow the ones before them in memory (another block,
+// Where the kLanes positions from `next` do not follow the ones before them in memory (another block,
 // anywhere in the cache), ask for their keys and values now: the hardware prefetcher cannot jump
 // there, and each row would otherwise wait on memory. Contiguous blocks are left to it (asking for
 // those too, or asking 2-3 chunks ahead, measured slower, with either attention kernel). 64 decodes
@@ -204,8 +201,8 @@ __attribute__((always_inline)) inline void prefetch_after_jump(const Item<T>& it
 }
 
 // One (token, KV head) of attention over the first `len` positions of a sequence: its G query
-// heads share each key and value row while it is in cache. One pass with an online softmax over 16
-// positions at a time, whose scores form one vector. G and V (= dim / 16) are template arguments
+// heads share each key and value row while it is in cache. One pass with an online softmax over kLanes
+// positions at a time, whose scores form one vector. G and V (= dim / kLanes) are template arguments
 // so everything lives in registers.
 template <typename T, int G, int V>
 __attribute__((optimize("fp-contract=fast")))  // FMAs: attention need not match torch bit for bit
@@ -228,14 +225,14 @@ void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next
     for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(item.table, start + p, block_size) * dim;
     prefetch_after_jump(item, start + kLanes, block_size, dim);
     prefetch_rows<2>(next, start + shift, block_size, dim);
-    for (int64_t p = 0; p < kLanes; ++p) {  // each query head's 16 partial dot products per position
+    for (int64_t p = 0; p < kLanes; ++p) {  // each query head's kLanes partial dot products per position
       vfloat partial[G] = {};
       if (p < count)
         for (int j = 0; j < V; ++j) {
           vfloat key = load(keys[p] + j * kLanes);
           for (int g = 0; g < G; ++g) partial[g] += q[g][j] * key;
         }
-      for (int g = 0; g < G; ++g) dots[g][kReversed[p]] = partial[g];
+      for (int g = 0; g < G; ++g) dots[g][reversed(p)] = partial[g];
     }
     vfloat probs[G];
     for (int g = 0; g < G; ++g) {
@@ -274,6 +271,8 @@ void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next
 // 64 decodes of 192 positions, 9 heads over 3 KV heads of 64, ms a layer: keys in cache (the work
 // alone) 0.37-0.38 -> 0.24-0.28; from memory, random blocks 1.00-1.08 -> 0.83-0.87; the whole offline
 // bench run 464-476 -> 541-555 out tok/s.
+static_assert(kLanes == 16, "AVX512-BF16 implies AVX-512's 16 float lanes");
+
 template <int G, int W>
 __attribute__((optimize("fp-contract=fast")))
 void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, const Item<bf16>& next,
@@ -309,7 +308,7 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, c
           const __m512bh key = (__m512bh)_mm512_loadu_si512(keys[p] + w * 32);
           for (int g = 0; g < G; ++g) partial[g] = _mm512_dpbf16_ps(partial[g], q[g][w], key);
         }
-      for (int g = 0; g < G; ++g) dots[g][kReversed[p]] = (vfloat)partial[g];
+      for (int g = 0; g < G; ++g) dots[g][reversed(p)] = (vfloat)partial[g];
     }
     for (int g = 0; g < G; ++g) {
       vfloat scores = sum_each(dots[g]) * scale;
@@ -407,7 +406,7 @@ void paged_attention(T* out, const T* query, const T* cache, const int32_t* bloc
                      int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
                      int64_t block_size, float scale, int64_t window, float cap) {
   const int64_t group = heads / kv_heads, head_cache = num_blocks * block_size * dim;
-  AttendOne<T> one = dim == 64 ? pick_group<T, 4>(group) : pick_group<T, 8>(group);
+  AttendOne<T> one = dim == 64 ? pick_group<T, 64 / kLanes>(group) : pick_group<T, 128 / kLanes>(group);
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) one = dim == 64 ? pick_group_bf16_dot<2>(group) : pick_group_bf16_dot<4>(group);
 #endif
@@ -475,7 +474,7 @@ void sample_rows(int64_t* out, const float* logits, int64_t stride, int64_t rows
       continue;
     }
     const float inverse = 1.f / temperatures[r];
-    auto probs = [&](int64_t i) {  // 16 unnormalised probabilities from position i
+    auto probs = [&](int64_t i) {  // kLanes unnormalised probabilities from position i
       vfloat v = load(x + i);
       vfloat p = exp_lanes((v - max) * inverse);
       return v > -INFINITY ? p : splat(0.f);

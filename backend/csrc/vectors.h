@@ -1,6 +1,6 @@
-// Float vectors shared by the C++ ops (cpu_ops.cpp) and the linear kernel (cpu_linear.cpp): 16
-// float32 lanes, loads and stores of float32 and bfloat16, bfloat16 rounding, exp. One definition,
-// so that an op fused into the linear kernel computes what the op alone does, bit for bit.
+// Float vectors shared by the C++ ops (cpu_ops.cpp) and the linear kernel (cpu_linear.cpp): the
+// target's float32 lanes, loads and stores of float32 and bfloat16, bfloat16 rounding, exp. One
+// definition, so that an op fused into the linear kernel computes what the op alone does, bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -12,13 +12,23 @@ struct bf16 {
   uint16_t bits;
 };
 
-// 16 float lanes in GCC's generic vectors: one AVX-512 register here, split by the compiler
-// where the CPU has narrower ones. Rows are whole vectors (the Python side checks size % 16).
+// GCC's generic vectors as wide as the target's registers: 16 floats with AVX-512, 8 with AVX2, 4
+// with SSE (x86-64-v2) or NEON (aarch64). A vector wider than the target's registers would be split
+// by the compiler anyway, and passing one by value changes the ABI (g++'s -Wpsabi warning). The
+// Python side checks that rows are whole multiples of 16 floats, so of kLanes on every target.
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
-typedef float vfloat __attribute__((vector_size(64)));
-typedef uint32_t vuint __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
-typedef uint16_t vhalf __attribute__((vector_size(32)));
+#elif defined(__AVX__)
+constexpr int64_t kLanes = 8;
+#else
+constexpr int64_t kLanes = 4;
+#endif
+constexpr int64_t kRowMultiple = 16;  // cpu_ops.supports(..., multiple=16)
+static_assert(kRowMultiple % kLanes == 0, "rows must be whole vectors");
+typedef float vfloat __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t vhalf __attribute__((vector_size(kLanes * 2)));
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -58,7 +68,7 @@ template <> inline vfloat round_to<bf16>(vfloat v) {
 
 inline vfloat splat(float x) { return vfloat{} + x; }
 
-// exp on 16 lanes: 2^n * e^r with |r| <= ln2 / 2 and a degree-6 polynomial (Cephes' expf,
+// exp on each lane: 2^n * e^r with |r| <= ln2 / 2 and a degree-6 polynomial (Cephes' expf,
 // a few ulp), for softmax and silu. Inputs are clamped to [-87, 88]: e^x is then (almost) 0 below
 // and a huge finite number above, where callers only divide by it.
 inline vfloat exp_lanes(vfloat x) {
