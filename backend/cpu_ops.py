@@ -3,12 +3,16 @@ kernel (`backend/csrc/cpu_linear.cpp`), built on first use with the system C++ c
 library, cached per source, compiler flags and CPU, and called through ctypes on tensors' memory;
 and bfloat16 linear layers with their weights prepacked, for that kernel or for oneDNN.
 
-`available()` is False when there is no compiler, the build fails, or TRITONLLM_CPU_KERNELS=0;
-TRITONLLM_CPU_KERNELS=portable builds without the CPU's bfloat16 dot-product instructions (the code
-a CPU without AVX512-BF16 runs, for testing it on one with them);
-`backend/ops.py` then runs the torch references instead, with the same results. float32 and
-bfloat16 rows of whole 16-float vectors only (other shapes and types take the references); the
-sampler takes float32 logits of any width. Also the CPU KV cache's allocation on huge pages.
+`available()` is False when there is no compiler, the build fails (logged, with what to install),
+or TRITONLLM_CPU_KERNELS=0; `backend/ops.py` then runs the torch references instead, with the same
+results. float32 and bfloat16 rows of multiples of 16 floats only (other shapes and types take the
+references); the sampler takes float32 logits of any width. Also the CPU KV cache's allocation on
+huge pages.
+
+The build targets this CPU (-march=native) unless TRITONLLM_CPU_ARCH names another -march
+(x86-64-v2, x86-64-v3, ...: an older CPU's code, to test it here); TRITONLLM_CPU_KERNELS=portable
+builds without the bfloat16 dot-product instructions (the code a CPU without AVX512-BF16 runs).
+Both are part of the cached library's key.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -31,8 +37,9 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_lora.cpp", CSRC / "cpu_moe.cpp"]
 HEADERS = [CSRC / "vectors.h"]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
-PORTABLE_FLAGS = ["-mno-avx512bf16"]
+FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
+PORTABLE_FLAGS = ["-mno-avx512bf16"]  # x86-64 only
+ARCHES = ("native", "x86-64-v4", "x86-64-v3", "x86-64-v2")  # TRITONLLM_CPU_ARCH's usual values
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 i64, f32, ptr, flag = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_bool
 SIGNATURES = {
@@ -49,37 +56,63 @@ FLOAT32_ONLY = {"sample_rows"}  # logits are float32 whatever the model's dtype
 
 
 def cache_dir() -> Path:
+    """Where built libraries are kept: $TRITONLLM_CPU_OPS_CACHE, else cpu_ops/ in $TRITONLLM_CACHE
+    (the models' cache, ~/.cache/tritonllm by default)."""
+    if os.environ.get("TRITONLLM_CPU_OPS_CACHE"):
+        return Path(os.environ["TRITONLLM_CPU_OPS_CACHE"])
     root = os.environ.get("TRITONLLM_CACHE") or Path.home() / ".cache" / "tritonllm"
     return Path(root) / "cpu_ops"
 
 
 def cpu_flags() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith(("flags", "Features")):  # x86-64, aarch64
                 return line
     except OSError:
         pass
     return ""
 
 
+def compile_flags(arch: str | None = None, portable: bool | None = None, machine: str | None = None) -> list[str]:
+    """The compiler's flags: -march from `arch` (default $TRITONLLM_CPU_ARCH, else native: the
+    kernels' vectors are then as wide as the CPU's registers, see csrc/vectors.h); `portable`
+    (default: TRITONLLM_CPU_KERNELS=portable) leaves out AVX512-BF16 on x86-64 `machine`s."""
+    arch = arch or os.environ.get("TRITONLLM_CPU_ARCH") or "native"
+    if portable is None:
+        portable = os.environ.get("TRITONLLM_CPU_KERNELS") == "portable"
+    x86 = (machine or platform.machine()).lower() in ("x86_64", "amd64")
+    return [*FLAGS, f"-march={arch}", *(PORTABLE_FLAGS if portable and x86 else [])]
+
+
+def compile_library(compiler: str, flags: list[str], target: Path) -> None:
+    """Compiles SOURCES into `target`; RuntimeError with the compiler's own words if it fails.
+    Its output is decoded here, whatever the locale (in Triton's stub Python's may be ASCII, and
+    g++ quotes in UTF-8), and a successful build's warnings are logged at debug level."""
+    result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(target)], capture_output=True)
+    output = (result.stdout + result.stderr).decode("utf-8", errors="replace").strip()
+    if result.returncode != 0:
+        raise RuntimeError(f"{compiler} {' '.join(flags)} failed (exit {result.returncode}): {output[-2000:]}")
+    if output:
+        logger.debug("%s warned while building the CPU kernels: %s", compiler, output[-2000:])
+
+
 def build() -> Path:
-    """The library for these sources, flags and CPU; compiled when not cached (a few seconds)."""
+    """The library for these sources, flags and CPU; compiled when not cached (10-40 s)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
-    flags = FLAGS + (PORTABLE_FLAGS if os.environ.get("TRITONLLM_CPU_KERNELS") == "portable" else [])
-    texts = [source.read_text() for source in SOURCES + HEADERS]
-    key = hashlib.sha256("\0".join([*texts, compiler, *flags, cpu_flags()]).encode()).hexdigest()[:16]
+    flags = compile_flags()
+    texts = [source.read_bytes() for source in SOURCES + HEADERS]
+    identity = "\0".join([compiler, *flags, cpu_flags()]).encode()
+    key = hashlib.sha256(b"\0".join([*texts, identity])).hexdigest()[:16]
     library = cache_dir() / f"tritonllm_cpu_ops_{key}.so"
     if library.is_file():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:  # concurrent builds: last rename wins
         target = Path(scratch) / library.name
-        result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(target)], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        compile_library(compiler, flags, target)
         os.replace(target, library)
     return library
 
@@ -90,13 +123,14 @@ def _library() -> ctypes.CDLL | None:
         return None
     try:
         library = ctypes.CDLL(str(build()))
-    except (OSError, RuntimeError) as error:
-        logger.warning("CPU kernels unavailable, using the torch references: %s", error)
+        for name, argtypes in SIGNATURES.items():
+            for suffix in ("f32",) if name in FLOAT32_ONLY else SUFFIXES.values():
+                function = getattr(library, f"{name}_{suffix}")
+                function.argtypes, function.restype = argtypes, None
+    except Exception as error:  # whatever breaks, a kernel build never fails a model load: the references run
+        logger.warning("CPU kernels unavailable, using the torch references (slower; install g++, or set CXX, "
+                       "to get them): %s: %s", type(error).__name__, error)
         return None
-    for name, argtypes in SIGNATURES.items():
-        for suffix in ("f32",) if name in FLOAT32_ONLY else SUFFIXES.values():
-            function = getattr(library, f"{name}_{suffix}")
-            function.argtypes, function.restype = argtypes, None
     if hasattr(library, "linear_bf16"):  # built where the compiler targets AVX512-BF16
         library.pack_linear_bf16.argtypes, library.pack_linear_bf16.restype = [ptr, ptr, i64, i64, flag], None
         library.linear_bf16.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, flag, flag]
@@ -114,7 +148,8 @@ def available() -> bool:
 
 def supports(x: torch.Tensor, multiple: int = 16) -> bool:
     """Whether the C++ ops take x: on the CPU, float32 or bfloat16, its last dim packed and a
-    multiple of `multiple` (the kernels work in whole vectors of 16 floats)."""
+    multiple of `multiple` (the kernels work in whole vectors of 4, 8 or 16 floats, the target's
+    width: 16 covers them all)."""
     return (x.device.type == "cpu" and x.dtype in SUFFIXES and x.stride(-1) == 1
             and x.shape[-1] % multiple == 0 and available())
 
@@ -266,8 +301,19 @@ def own_kernel_takes(linear: nn.Linear) -> bool:
             and in_features % 2 == 0 and (linear.bias is None or linear.bias.dtype == torch.bfloat16))
 
 
-def onednn_packing() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+@functools.cache
+def onednn_packing(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN packs and runs linears in `dtype` here. In bfloat16 it needs AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT and raises without them (AVX2 CPUs such as AMD Zen 2): asked once, on a
+    small weight."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError as error:
+        logger.info("oneDNN does not pack %s linears on this CPU (F.linear runs them): %s", dtype, error)
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
@@ -279,6 +325,8 @@ class PackedLinear(nn.Module):
     host and more on a busy one, the same at 512; the offline bench in float32 +17%). Our kernel
     takes output features in multiples of 16 and even input features; its results are F.linear's
     but for about one output in 20,000 a bfloat16 unit away (the float32 sums' order differs from oneDNN's now and then).
+    Where neither takes the weight (bfloat16 on a CPU without AVX-512: `onednn_packing`), it stays
+    as it is and F.linear runs it.
 
     `gated`: the weight is an MLP's gate and up projections stacked, and `silu_and_mul(x)` gives
     ops.silu_and_mul(self(x)) in one pass, bit for bit (our kernel, output features a multiple of
@@ -290,19 +338,24 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.own_kernel = own_kernel_takes(linear)
         self.gated = gated and self.own_kernel and self.out_features % 64 == 0
+        self.onednn = not self.own_kernel and onednn_packing(weight.dtype)
         if self.own_kernel:
             weight = weight.contiguous()
             packed = torch.empty_like(weight)
             _library().pack_linear_bf16(packed.data_ptr(), weight.data_ptr(), self.out_features, self.in_features,
                                         self.gated)
-        else:
+        elif self.onednn:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
+        else:
+            packed = weight
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.own_kernel:
+        if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if not self.own_kernel:
+            return F.linear(x, self.weight, self.bias)
         return self._run(x, silu=False)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -322,8 +375,8 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, batch_size_hint: int) -> None:
-    """Swap every bfloat16 and float32 nn.Linear of a CPU model for a PackedLinear; a
-    `gate_up_proj` packs gated. float32 sums in oneDNN's order, not MKL's (Hugging Face's): outputs
+    """Swap every bfloat16 and float32 nn.Linear of a CPU model that a kernel packs (ours or
+    oneDNN's) for a PackedLinear; a `gate_up_proj` packs gated. float32 sums in oneDNN's order, not MKL's (Hugging Face's): outputs
     differ in the last bits (~2e-6 at SmolLM2's shapes) and the greedy float32 tests against
     Hugging Face stay token-exact."""
     for module in list(model.modules()):
@@ -331,5 +384,6 @@ def pack_linears(model: nn.Module, batch_size_hint: int) -> None:
             continue
         for name, child in module.named_children():
             if (isinstance(child, nn.Linear) and child.weight.dtype in (torch.bfloat16, torch.float32)
-                    and child.weight.device.type == "cpu" and (own_kernel_takes(child) or onednn_packing())):
+                    and child.weight.device.type == "cpu"
+                    and (own_kernel_takes(child) or onednn_packing(child.weight.dtype))):
                 setattr(module, name, PackedLinear(child, batch_size_hint, gated=name == "gate_up_proj"))
