@@ -213,7 +213,7 @@ def generation_defaults(config: EngineConfig, model_path: str) -> dict[str, Any]
         check(config.generation_config == "auto" or os.path.isfile(path), "generation_config",
               f"no generation_config.json in {folder}")
         if os.path.isfile(path):
-            with open(path) as file:
+            with open(path, encoding="utf-8") as file:
                 values = json.load(file)
             defaults = {GENERATION_DEFAULT_KEYS[k]: v for k, v in values.items()
                         if k in GENERATION_DEFAULT_KEYS and v is not None}

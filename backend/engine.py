@@ -48,7 +48,7 @@ def eos_token_ids(model_path: str, hf_config: dict) -> set[int]:
     ids = hf_config.get("eos_token_id")
     generation = Path(model_path) / "generation_config.json"
     if generation.is_file():
-        ids = json.loads(generation.read_text()).get("eos_token_id", ids)
+        ids = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id", ids)
     if ids is None:
         return set()
     return set(ids) if isinstance(ids, list) else {ids}

@@ -22,7 +22,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def cpu_has_native_bf16() -> bool:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8")
     except OSError:
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags
@@ -46,7 +46,7 @@ def load_hf_config(model_path: str) -> dict:
     path = Path(model_path) / "config.json"
     if not path.is_file():
         raise EngineError("model", f"{model_path!r} is not a Hugging Face model folder (no config.json)")
-    config = json.loads(path.read_text())
+    config = json.loads(path.read_text(encoding="utf-8"))
     models.architecture(config)  # an unknown architecture fails here, naming the supported ones
     return config
 

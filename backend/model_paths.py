@@ -79,7 +79,7 @@ def hf_cache_snapshot(repo_id: str, revision: str | None = None) -> Path:
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     revision = revision or "main"
     ref = repo / "refs" / revision
-    commit = ref.read_text().strip() if ref.is_file() else revision
+    commit = ref.read_text(encoding="utf-8").strip() if ref.is_file() else revision
     snapshot = repo / "snapshots" / commit
     check(snapshot.is_dir() and (snapshot / "config.json").is_file(), "model",
           f"{repo_id!r} (revision {revision}) is neither a folder nor in the local Hugging Face cache "

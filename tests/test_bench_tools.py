@@ -40,7 +40,7 @@ def test_offline_and_hf_modes_report_ratios_per_dtype(tmp_path, model_path, caps
                               "--engine-args", '{"kv_cache_memory_bytes": 33554432}',
                               "--json", str(out), "--plot", str(tmp_path / "bench.png")])
     assert bench.run(args) == 0
-    results = json.loads(out.read_text())["results"]
+    results = json.loads(out.read_text(encoding="utf-8"))["results"]
     assert list(results) == [f"{mode} {dtype}" for dtype in ("float32", "bfloat16")
                              for mode in ("offline", "hf-sequential", "hf-batch")]
     for dtype in ("float32", "bfloat16"):

@@ -27,7 +27,7 @@ def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
     package.name when that is a module."""
     this = module_name(path)
     package = this if path.name == "__init__.py" else this.rpartition(".")[0]
-    tree = ast.parse(path.read_text(), str(path))
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     type_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If) and is_type_checking(block.test)
                  for statement in block.body for node in ast.walk(statement)}
     found: set[str] = set()

@@ -325,7 +325,7 @@ def test_cpu_kv_cache_is_resident_zeros_from_the_start():
     for cache in caches:  # before anything reads it (a read maps untouched pages to the zero page)
         assert _smaps_kib(cache.data_ptr(), "Rss") >= kib
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if thp.exists() and "[never]" not in thp.read_text():
+    if thp.exists() and "[never]" not in thp.read_text(encoding="utf-8"):
         assert _smaps_kib(caches[0].data_ptr(), "AnonHugePages") > 0, "the cache is on 4 KiB pages"
     assert [tuple(c.shape) for c in caches] == [layout.shape(2048)] * 2
     assert all(c.dtype == torch.bfloat16 and not c.any() for c in caches)
@@ -334,7 +334,7 @@ def test_cpu_kv_cache_is_resident_zeros_from_the_start():
 def _smaps_kib(address: int, field: str) -> int:
     """A field (Rss, AnonHugePages, ...) of the mapping holding `address`, from /proc/self/smaps."""
     inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
+    for line in Path("/proc/self/smaps").read_text(encoding="utf-8").splitlines():
         head = line.split(" ", 1)[0]
         if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
             low, high = (int(part, 16) for part in head.split("-"))

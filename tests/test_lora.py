@@ -158,7 +158,7 @@ def test_bad_adapters_are_clear_errors(model_path, adapters, tmp_path):
     folder = tmp_path / "misshapen"
     folder.mkdir()
     source = adapters["poet"].lora_path
-    (folder / "adapter_config.json").write_text(open(f"{source}/adapter_config.json").read())
+    (folder / "adapter_config.json").write_text(open(f"{source}/adapter_config.json", encoding="utf-8").read())
     tensors = {name: (t[:, :100].contiguous() if "lora_A" in name and "down_proj" not in name else t)
                for name, t in load_file(f"{source}/adapter_model.safetensors").items()}
     save_file(tensors, str(folder / "adapter_model.safetensors"))

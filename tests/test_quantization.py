@@ -240,7 +240,7 @@ def test_quantized_checkpoint_runs_as_its_dequantized_float_model(tiny_model, tm
     assert tritonllm(["quantize", "--model", tiny_model, *flags, "--output", str(out),
                       "--dequantized-output", str(dequantized), "--calibration-samples", "4",
                       "--calibration-length", "64"]) == 0
-    stored = json.loads((out / "config.json").read_text())["quantization_config"]
+    stored = json.loads((out / "config.json").read_text(encoding="utf-8"))["quantization_config"]
     assert stored["quant_method"] == flags[1]
     quantized = tiny_llm(out, dtype="float32")
     assert_same_model(quantized.generate(TINY_PROMPTS, greedy()),

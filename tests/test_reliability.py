@@ -634,7 +634,7 @@ def warm_up(triton: TritonServer, frontend: ServedApp, model_name: str) -> None:
 
 
 def thread_names(pid: int) -> list[str]:
-    return sorted(Path(f"/proc/{pid}/task/{task}/comm").read_text().strip() for task in os.listdir(f"/proc/{pid}/task"))
+    return sorted(Path(f"/proc/{pid}/task/{task}/comm").read_text(encoding="utf-8").strip() for task in os.listdir(f"/proc/{pid}/task"))
 
 
 @pytest.mark.slow
@@ -777,7 +777,7 @@ def listening_addresses(pid: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6A
             inodes.add(target[8:-1])
     addresses = set()
     for table_name in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table_name}").read_text().splitlines()[1:]:
+        for line in Path(f"/proc/{pid}/net/{table_name}").read_text(encoding="utf-8").splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
                 raw = bytes.fromhex(fields[1].split(":")[0])  # 32-bit words in host (little-endian) order
@@ -851,7 +851,7 @@ def test_logs_hold_no_prompt_or_completion_unless_asked(triton, frontend, model_
         post_frontend(frontend.url, endpoint, body, model_name)
     assert caplog.records and MARKER not in caplog.text, "a prompt reached the frontend's logs"
     # The model's stub writes its Python logging (the engine's too) into Triton's log.
-    assert MARKER not in Path(triton.log_file).read_text(errors="replace"), "a prompt reached Triton's log"
+    assert MARKER not in Path(triton.log_file).read_text(encoding="utf-8", errors="replace"), "a prompt reached Triton's log"
 
     with ServedApp(Settings(grpc_url=triton.grpc_url, model=model_path, log_requests=True,
                             max_model_len=MAX_MODEL_LEN)) as logging_frontend:

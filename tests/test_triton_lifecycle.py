@@ -63,7 +63,7 @@ def server(tmp_path_factory, model_path):
 
 
 def assert_no_crash(server: TritonServer) -> None:
-    log = Path(server.log_file).read_text(errors="replace")
+    log = Path(server.log_file).read_text(encoding="utf-8", errors="replace")
     for sign in ("malloc", "corrupted", "Signal (11)", "Signal (6)", "double free", "Segmentation"):
         assert sign not in log, f"{sign!r} in tritonserver's log"
 
@@ -169,11 +169,11 @@ def test_a_load_of_the_unchanged_model_is_a_no_op(server):
     version folder look changed)."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     log = Path(server.log_file)
-    loads_before = log.read_text(errors="replace").count("loading: llm:1")
+    loads_before = log.read_text(encoding="utf-8", errors="replace").count("loading: llm:1")
     started = time.monotonic()
     client.load_model("llm")
     took = time.monotonic() - started
-    assert log.read_text(errors="replace").count("loading: llm:1") == loads_before, "the model was reloaded"
+    assert log.read_text(encoding="utf-8", errors="replace").count("loading: llm:1") == loads_before, "the model was reloaded"
     assert took < 5, f"a no-op load took {took:.1f} s"
     client.close()
 

@@ -441,7 +441,7 @@ def test_unload_drains_and_reload_leaves_nothing_behind(server):
 
     wait_for(lambda: not stub_processes(server), timeout=60, message="the model's stub process to exit")
     assert not client.is_model_ready("llm")
-    assert not os.path.exists(f"/proc/{old_stub}") or open(f"/proc/{old_stub}/stat").read().split()[2] == "Z"
+    assert not os.path.exists(f"/proc/{old_stub}") or open(f"/proc/{old_stub}/stat", encoding="utf-8").read().split()[2] == "Z"
     threads_unloaded = thread_count(server.process.pid)
     assert threads_unloaded < threads_loaded
 

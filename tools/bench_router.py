@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         for replica in replicas:
             replica.stop()
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        Path(args.json).write_text(json.dumps(results, indent=2), encoding="utf-8")
     return 0
 
 

@@ -217,7 +217,7 @@ def run(args) -> int:
     path = quantize_model(model, args.method, args.output, bits=args.bits, group_size=args.group_size,
                           sym=False if args.asym else None, desc_act=args.desc_act, search=not args.no_search,
                           num_samples=args.calibration_samples, length=args.calibration_length,
-                          calibration_text=Path(args.calibration_file).read_text() if args.calibration_file else None,
+                          calibration_text=Path(args.calibration_file).read_text(encoding="utf-8") if args.calibration_file else None,
                           dequantized_output=args.dequantized_output)
     print(path)
     return 0

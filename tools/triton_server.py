@@ -251,7 +251,7 @@ class TritonServer:
     def _log_hint(self) -> str:
         if not self.log_file or not Path(self.log_file).exists():
             return ""
-        tail = Path(self.log_file).read_text(errors="replace").splitlines()[-30:]
+        tail = Path(self.log_file).read_text(encoding="utf-8", errors="replace").splitlines()[-30:]
         return "; log tail:\n" + "\n".join(tail)
 
     def stub_pids(self, model: str = MODEL_NAME) -> list[int]:

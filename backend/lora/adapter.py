@@ -49,7 +49,7 @@ def read_adapter(path: str, load: bool) -> Adapter:
     check(weights_file.is_file(), "lora_path", f"holds no {WEIGHTS_FILE} (pickled .bin adapters are never loaded)",
           path)
     try:
-        config = json.loads(config_file.read_text())
+        config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
         raise EngineError("lora_path", f"{CONFIG_FILE} is unreadable ({error})", value=path) from None
     check(isinstance(config, dict) and config.get("peft_type", "LORA") == "LORA", "lora_path",

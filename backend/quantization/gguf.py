@@ -236,14 +236,15 @@ def write_model_folder(path: Path, out: Path) -> None:
     config.update(metadata_config(path))
     config["quantization_config"] = {"quant_method": "gguf"}
     out.mkdir(parents=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer.save_pretrained(out)
-    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
     if tokenizer.chat_template:  # where older readers (and Triton's tooling) look for it
         tokenizer_config["chat_template"] = tokenizer.chat_template
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n",
+                                                encoding="utf-8")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
     (out / "model.gguf").symlink_to(path)

@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"workload": workload.name, "num_prompts": len(workload.prompts),
                                                "stream_interval": args.stream_interval, "results": results},
-                                              indent=2))
+                                              indent=2), encoding="utf-8")
     if args.plot:
         plot(results, args.plot)
     return 0

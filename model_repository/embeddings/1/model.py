@@ -51,7 +51,7 @@ class SentenceEncoder:
         self.model = AutoModel.from_pretrained(folder, dtype=torch.float32, use_safetensors=True,
                                                trust_remote_code=False).to(device).eval()
         config = folder / "sentence_bert_config.json"
-        limit = json.loads(config.read_text()).get("max_seq_length") if config.is_file() else None
+        limit = json.loads(config.read_text(encoding="utf-8")).get("max_seq_length") if config.is_file() else None
         self.max_seq_length = limit or self.tokenizer.model_max_length
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ def main(spec_path: str, result_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    with open(spec_path) as file:
+    with open(spec_path, encoding="utf-8") as file:
         spec = json.load(file)
     start = time.perf_counter()
     llm = LLM(spec["model"], dtype=spec["dtype"], seed=0)
@@ -46,7 +46,7 @@ def main(spec_path: str, result_path: str) -> None:
                                               "ttft": first[output.request_id] - added[output.request_id],
                                               "e2e": now - added[output.request_id]}
     elapsed = time.perf_counter() - start
-    with open(result_path, "w") as file:
+    with open(result_path, "w", encoding="utf-8") as file:
         json.dump({"seconds": elapsed, "startup_s": startup, "output_tokens": sum(counts.values()),
                    "records": [records[i] for i in sorted(records, key=int)]}, file)
 
