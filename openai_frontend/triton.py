@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -39,6 +41,10 @@ CHANNEL_ARGS = [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
                 # gRPC's default reconnect backoff grows to 120 s; Triton restarts take seconds.
                 ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
                 ("grpc.max_reconnect_backoff_ms", 2000)]
+# Raw tensor contents: a BYTES element's length prefix (little-endian), and the memoryview codes of
+# the numeric types the llm model sends (in the host's byte order, as tritonclient reads them too).
+_LENGTH = struct.Struct("<I")
+_NUMBERS: dict[str, Any] = {"UINT32": "I", "INT32": "i", "UINT64": "Q", "INT64": "q", "FP32": "f", "FP64": "d"}
 
 
 class ReplicaUnavailable(OpenAIError):
@@ -105,25 +111,47 @@ def _parse_logprobs(raw: bytes) -> list[list[TokenLogprob]] | None:
              for token_id, entry in position.items()] for position in positions]
 
 
-def _chunk(result, want_logprobs: bool, want_prompt_logprobs: bool = False) -> Chunk:
-    texts = result.as_numpy("text_output")
-    finish_reasons = result.as_numpy("finish_reason")
-    counts = result.as_numpy("num_output_tokens")
-    logprobs = result.as_numpy("logprobs") if want_logprobs else None
-    cumulative = result.as_numpy("cumulative_logprob")
+def _strings(raw: bytes) -> list[bytes]:
+    """A BYTES tensor's elements: each a 4-byte little-endian length, then that many bytes."""
+    values, offset = [], 0
+    while offset < len(raw):
+        length = _LENGTH.unpack_from(raw, offset)[0]
+        values.append(raw[offset + 4:offset + 4 + length])
+        offset += 4 + length
+    return values
+
+
+def _outputs(response) -> dict[str, list]:
+    """A streamed response's output tensors by name, flat: bytes for BYTES, Python numbers else.
+    Read straight from the raw contents (Triton sends every output there), in one pass: cheaper,
+    per response, than tritonclient's as_numpy, which searches the outputs for each name and builds
+    numpy arrays the frontend would only unpack again."""
+    tensors = {}
+    for output, raw in zip(response.outputs, response.raw_output_contents):
+        code = _NUMBERS.get(output.datatype)
+        tensors[output.name] = _strings(raw) if code is None else memoryview(raw).cast(code).tolist()
+    return tensors
+
+
+def _chunk(response, want_logprobs: bool, want_prompt_logprobs: bool = False) -> Chunk:
+    outputs = _outputs(response)
+    finish_reasons = outputs.get("finish_reason")
+    counts = outputs.get("num_output_tokens")
+    logprobs = outputs.get("logprobs") if want_logprobs else None
+    cumulative = outputs.get("cumulative_logprob")
     samples = []
-    for i, text in enumerate(texts):
+    for i, text in enumerate(outputs["text_output"]):
         reason = finish_reasons[i].decode() if finish_reasons is not None else "None"
         samples.append(SampleDelta(
-            index=i, text=text.decode("utf-8"), num_tokens=int(counts[i]) if counts is not None else 0,
+            index=i, text=text.decode("utf-8"), num_tokens=counts[i] if counts is not None else 0,
             finish_reason=None if reason == "None" else reason,
             logprobs=_parse_logprobs(logprobs[i]) if logprobs is not None else None,
-            cumulative_logprob=float(cumulative[i]) if cumulative is not None else None))
-    prompt_tokens = result.as_numpy("num_input_tokens")
-    cached = result.as_numpy("num_cached_tokens")
-    prompt_logprobs = result.as_numpy("prompt_logprobs") if want_prompt_logprobs else None
-    return Chunk(int(prompt_tokens[0]) if prompt_tokens is not None else 0, samples,
-                 int(cached[0]) if cached is not None else 0,
+            cumulative_logprob=cumulative[i] if cumulative is not None else None))
+    prompt_tokens = outputs.get("num_input_tokens")
+    cached = outputs.get("num_cached_tokens")
+    prompt_logprobs = outputs.get("prompt_logprobs") if want_prompt_logprobs else None
+    return Chunk(prompt_tokens[0] if prompt_tokens is not None else 0, samples,
+                 cached[0] if cached is not None else 0,
                  _parse_logprobs(prompt_logprobs[0]) if prompt_logprobs is not None else None)
 
 
@@ -219,7 +247,7 @@ class TritonClient:
                 response = result.get_response()
                 final = response.parameters["triton_final_response"].bool_param
                 if response.outputs:  # the empty final response carries nothing
-                    yield _chunk(result, want_logprobs, want_prompt_logprobs)
+                    yield _chunk(response, want_logprobs, want_prompt_logprobs)
                 if final:
                     completed = True
                     await _drain(responses)
