@@ -6,9 +6,9 @@
 - Health: every HEALTH_INTERVAL_S a background check asks each replica whether its `llm` model is
   ready and then probes the model's own process (triton.py's `probe`: Triton keeps a model READY
   after its Python stub died); any UNAVAILABLE from a call marks its replica down at once. A
-  replica that is loaded but does not answer (a dead stub, a frozen Triton) is `broken`: a request
-  there that has produced nothing for STALL_S fails with a 503 (an SSE error event mid-stream)
-  instead of hanging. A request that fails on a replica before its first response is tried on
+  replica that is loaded but does not answer (a dead stub, a frozen Triton) is `broken`: its
+  watchdog fails a request there that has waited STALL_S for its next response with a 503 (an SSE
+  error event mid-stream) instead of letting it hang. A request that fails on a replica before its first response is tried on
   another one; after that, only that request fails. `request_timeout` bounds every request.
 - Discovery: fixed `host:port` addresses, a file of them re-read at every check, and `dns:///name:port`
   entries (a Kubernetes headless Service) whose every address is a replica, re-resolved likewise.
@@ -26,7 +26,7 @@ import logging
 import socket
 from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +59,38 @@ class Replica:
     broken: str | None = None  # why Triton or the model's process stopped answering; None if they answer
     outstanding: int = 0  # requests sent and not finished
     requests: int = 0  # requests ever sent here
+    reading: set[Reader] = field(default_factory=set)  # its generations in progress
+    watchdog: asyncio.Task | None = None  # while it is broken and has generations in progress
+
+
+class Reader:
+    """One generation reading a replica's stream, as its replica's watchdog sees it: `wait()` before
+    each wait for the next response, `task = None` once it came. Leaving the `with` block with the
+    watchdog's cancellation raises a 503 `model_unavailable` instead (a stalled request fails;
+    another cancellation, such as the client leaving, stays one)."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self.task: asyncio.Task | None = None  # the task waiting for the next response; None when not waiting
+        self.since = 0.0  # when it began to wait
+        self.stalled: str | None = None  # why the watchdog cancelled it
+
+    def wait(self) -> None:
+        self.task, self.since = asyncio.current_task(), asyncio.get_running_loop().time()
+
+    def __enter__(self) -> Reader:
+        self.replica.reading.add(self)
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.replica.reading.discard(self)
+        if exc_type is asyncio.CancelledError and self.stalled is not None and self.only_cancellation():
+            raise OpenAIError(503, self.stalled, None, "model_unavailable") from None
+
+    def only_cancellation(self) -> bool:
+        """Whether the watchdog's cancellation of the task is the only one (Python 3.10 cannot tell)."""
+        uncancel = getattr(self.task, "uncancel", None)
+        return uncancel is None or uncancel() == 0
 
 
 # -- policies: pure functions of the candidates' state -----------------------------------------------
@@ -136,9 +168,11 @@ class Replicas:
         self.watcher = asyncio.create_task(self.watch())
 
     async def close(self) -> None:
-        if self.watcher is not None:
-            self.watcher.cancel()
-            await asyncio.gather(self.watcher, return_exceptions=True)
+        tasks = [self.watcher, *(replica.watchdog for replica in [*self.replicas.values(), *self.retired])]
+        for task in tasks:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(task for task in tasks if task is not None), return_exceptions=True)
         for replica in [*self.replicas.values(), *self.retired]:
             await replica.client.close()
         self.replicas.clear()
@@ -197,7 +231,27 @@ class Replicas:
             logger.log(logging.INFO if ready else logging.WARNING, "replica %s is %s", replica.url,
                        "ready" if ready else f"not ready: {broken}" if broken else "not ready")
         replica.ready, replica.broken = ready, broken
+        if broken is not None and replica.reading and replica.watchdog is None:
+            replica.watchdog = asyncio.create_task(self.fail_stalled(replica))
         return ready
+
+    @staticmethod
+    async def fail_stalled(replica: Replica) -> None:
+        """While `replica` is broken, fail each generation there once it has waited STALL_S for its next
+        response: a dead stub or a frozen Triton never answers nor closes the stream. Its task is
+        cancelled inside the wait (so its gRPC call is too) and the generation raises a 503. One
+        watchdog per broken replica, none when all answer: a streamed response costs no timer."""
+        loop = asyncio.get_running_loop()
+        try:
+            while replica.broken is not None and replica.reading:
+                now = loop.time()
+                for reader in replica.reading:
+                    if reader.task is not None and reader.stalled is None and now - reader.since >= STALL_S:
+                        reader.stalled = f"Triton at {replica.url} stopped answering this request: {replica.broken}"
+                        reader.task.cancel()
+                await asyncio.sleep(STALL_CHECK_S)
+        finally:
+            replica.watchdog = None
 
     def mark_down(self, replica: Replica, error: OpenAIError) -> None:
         if replica.ready:
@@ -244,30 +298,6 @@ class Replicas:
             raise RequestTimeout(self.request_timeout)
         return left
 
-    @staticmethod
-    async def watched(replica: Replica, chunks: AsyncGenerator[Chunk, None]) -> AsyncGenerator[Chunk, None]:
-        """`chunks`, failed with a 503 once they have waited STALL_S for the next one while their
-        replica is broken: a dead stub or a frozen Triton never answers nor closes the stream."""
-        loop = asyncio.get_running_loop()
-        while True:
-            waiting_since = loop.time()
-            step = asyncio.ensure_future(anext(chunks))
-            try:
-                while not step.done():
-                    await asyncio.wait({step}, timeout=STALL_CHECK_S)
-                    if not step.done() and replica.broken and loop.time() - waiting_since >= STALL_S:
-                        raise OpenAIError(503, f"Triton at {replica.url} stopped answering this request: "
-                                               f"{replica.broken}", None, "model_unavailable")
-            except BaseException:
-                step.cancel()  # inside the generation: its gRPC call is cancelled
-                await asyncio.gather(step, return_exceptions=True)
-                raise
-            try:
-                chunk = step.result()
-            except StopAsyncIteration:
-                return
-            yield chunk
-
     # -- TritonClient's calls ------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], sampling_parameters: dict, *, stream: bool,
                        prompt_param: str = "prompt") -> AsyncGenerator[Chunk, None]:
@@ -281,10 +311,13 @@ class Replicas:
                 try:
                     generation = replica.client.generate(prompt_token_ids, sampling_parameters, stream=stream,
                                                          prompt_param=prompt_param, timeout=self.time_left(deadline))
-                    async with aclosing(generation), aclosing(self.watched(replica, generation)) as chunks:
-                        async for chunk in chunks:
-                            started = True
-                            yield chunk
+                    async with aclosing(generation):
+                        with Reader(replica) as reader:  # a 503 if the watchdog finds it stalled
+                            reader.wait()
+                            async for chunk in generation:
+                                reader.task, started = None, True
+                                yield chunk
+                                reader.wait()
                     return
                 except OpenAIError as error:
                     if not self.retry_elsewhere(replica, error) or started:

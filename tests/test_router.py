@@ -22,10 +22,12 @@ from openai import AsyncOpenAI
 
 from openai_frontend import Settings
 from openai_frontend.errors import OpenAIError
+from openai_frontend import replicas as replicas_module
 from openai_frontend.main import parse_settings
 from openai_frontend.replicas import (BLOCK_TOKENS, FALLOVER_EXCESS, PREFIX_BLOCKS, Replica, Replicas,
                                       least_outstanding, parse_urls, prefix_affine, prefix_key, rendezvous_order,
                                       resolve, round_robin)
+from openai_frontend.triton import Chunk, SampleDelta
 from test_openai_frontend import ServedApp
 from test_reliability import settled
 from tools.triton_server import TritonServer, free_port, write_model_repository
@@ -97,6 +99,71 @@ def test_replicas_that_are_down_are_skipped():
     for routing in ("prefix", "round-robin"):
         router.routing = routing
         assert all(router.pick(list(range(k, k + 64)), tried=[]) is not down for k in range(50))
+
+
+class StalledTriton:
+    """A replica's Triton whose model answers once and then never again (a dead stub): its health
+    probe says so, its streams neither answer nor close."""
+
+    def __init__(self) -> None:
+        self.closed = 0  # generations that ended (cancelled: their gRPC call would be)
+
+    async def generate(self, prompt_token_ids, sampling_parameters, **options):
+        try:
+            yield Chunk(len(prompt_token_ids), [SampleDelta(0, "Hi", 1, None, None)])
+            await asyncio.Event().wait()
+        finally:
+            self.closed += 1
+
+    async def model_ready(self, model: str) -> bool:
+        return True
+
+    async def probe(self, model: str) -> str | None:
+        return "Stub process 'llm_0_0' is not healthy."
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_stream_stalled_on_a_broken_replica_fails_with_a_503_and_a_client_leaving_it_is_a_cancel(monkeypatch):
+    monkeypatch.setattr(replicas_module, "STALL_S", 0.3)
+    monkeypatch.setattr(replicas_module, "STALL_CHECK_S", 0.05)
+
+    async def run() -> None:
+        triton = StalledTriton()
+        router = Replicas([])
+        replica = Replica("10.0.0.1:8001", triton, ready=True)  # type: ignore[arg-type]
+        router.replicas = {replica.url: replica}
+        loop = asyncio.get_running_loop()
+
+        stream = router.generate([1, 2, 3], {}, stream=True)
+        assert (await anext(stream)).samples[0].text == "Hi"
+        assert await router.check(replica) is False and replica.broken  # its watchdog starts
+        waiting_since = loop.time()
+        with pytest.raises(OpenAIError) as error:
+            await anext(stream)
+        assert error.value.status == 503 and error.value.code == "model_unavailable"
+        assert "stopped answering this request: Stub process 'llm_0_0' is not healthy." in error.value.message
+        assert 0.3 <= loop.time() - waiting_since < 3
+        assert asyncio.current_task().cancelling() == 0  # the watchdog's cancellation became the 503
+        assert triton.closed == 1 and not replica.reading and replica.outstanding == 0
+
+        # A client that leaves a stalled stream (its task cancelled) is a cancellation, not a 503.
+        replica.ready, replica.broken = True, None
+        stream = router.generate([1, 2, 3], {}, stream=True)
+        await anext(stream)
+        await router.check(replica)
+        reader = asyncio.create_task(anext(stream))
+        await asyncio.sleep(0.1)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert triton.closed == 2 and not replica.reading
+        await asyncio.sleep(0.1)
+        assert replica.watchdog is None  # nothing left to watch
+        await router.close()
+
+    asyncio.run(run())
 
 
 def test_discovery_from_a_file_and_dns(tmp_path):
