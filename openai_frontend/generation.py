@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -174,14 +175,22 @@ async def merge(streams: list[AsyncGenerator[Chunk, None]]) -> AsyncGenerator[tu
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def single(stream: AsyncGenerator[Chunk, None]) -> AsyncGenerator[tuple[int, Chunk], None]:
+    """One generation as merge() gives it, without its task and queue: read by the caller's task."""
+    async with aclosing(stream):
+        async for chunk in stream:
+            yield 0, chunk
+
+
 async def start(triton: TritonClient, prompts: list[list[int]], parameters: list[dict], *, stream: bool,
                 prompt_param: str, structured_param: str | None = None
                 ) -> tuple[tuple[int, Chunk], AsyncGenerator[tuple[int, Chunk], None]]:
     """Send every prompt (with its sampling parameters) and wait for the first response, so that a
     request Triton rejects still gets its HTTP status (not a 200 stream carrying an error).
     A structured output the engine cannot compile is named as the field it came from."""
-    merged = merge([triton.generate(ids, params, stream=stream, prompt_param=prompt_param)
-                    for ids, params in zip(prompts, parameters)])
+    streams = [triton.generate(ids, params, stream=stream, prompt_param=prompt_param)
+               for ids, params in zip(prompts, parameters)]
+    merged = single(streams[0]) if len(streams) == 1 else merge(streams)
     try:
         first = await merged.__anext__()
     except OpenAIError as error:
@@ -201,15 +210,28 @@ async def replay(first, rest: AsyncIterator):
         yield item
 
 
+# One encoder for every event (json.dumps with options builds one per call); compact, as OpenAI's.
+to_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return "data: " + to_json(data) + "\n\n"
 
 
-async def sse_stream(events: AsyncGenerator[dict, None]) -> AsyncIterator[str]:
-    """Frame events as SSE; a failure mid-way becomes an error event; `[DONE]` always comes last."""
+def chunk_frames(response_id: str, object_name: str, created: int, model: str) -> Callable[[dict], str]:
+    """The SSE frame of a streamed chunk with one choice, given the choice: the fields every chunk of
+    the response repeats are encoded once."""
+    head = to_json({"id": response_id, "object": object_name, "created": created, "model": model})
+    prefix = "data: " + head[:-1] + ',"choices":['
+    return lambda choice: prefix + to_json(choice) + "]}\n\n"
+
+
+async def sse_stream(events: AsyncGenerator[dict | str, None]) -> AsyncIterator[str]:
+    """Frame events (dicts, or frames already made) as SSE; a failure mid-way becomes an error
+    event; `[DONE]` always comes last."""
     try:
         async for event in events:
-            yield sse(event)
+            yield event if isinstance(event, str) else sse(event)
     except OpenAIError as error:
         yield sse(error.body())
     except Exception as error:  # never cut a stream without telling the client why

@@ -15,9 +15,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from openai_frontend.errors import invalid
-from openai_frontend.generation import (Choices, check_stream_options, log_completion, log_request, logprob_value,
-                                        replay, sampling_parameters, sse_stream, start, structured_outputs,
-                                        unless_disconnected)
+from openai_frontend.generation import (Choices, check_stream_options, chunk_frames, log_completion, log_request,
+                                        logprob_value, replay, sampling_parameters, sse_stream, start,
+                                        structured_outputs, unless_disconnected)
 from openai_frontend.reasoning_parsers import PARSERS as REASONING_PARSERS
 from openai_frontend.reasoning_parsers import ReasoningStream, ThinkParser
 from openai_frontend.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
@@ -229,21 +229,18 @@ async def serve_chat_completion(frontend, body: ChatCompletionRequest, raw_reque
     choices = Choices(1, body.n, frontend.settings.enable_prompt_tokens_details)
     log_request(frontend, response_id, [job.prompt_ids], [job.parameters])
 
-    def chunk(choice: dict) -> dict:
-        return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                "choices": [choice]}
-
     if body.stream:
         answers = await stream_answers(frontend, job, raw_request, choices)
+        frame = chunk_frames(response_id, "chat.completion.chunk", created, body.model)
 
         async def events():
             for index in range(body.n):
-                yield chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                yield frame({"index": index, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None})
             async for index, deltas, logprobs, finish_reason in answers:
                 deltas = deltas or [{}]
                 for k, piece in enumerate(deltas):
-                    yield chunk({"index": index, "delta": piece, "logprobs": logprobs if k == 0 else None,
+                    yield frame({"index": index, "delta": piece, "logprobs": logprobs if k == 0 else None,
                                  "finish_reason": finish_reason if k == len(deltas) - 1 else None})
             if job.include_usage:
                 yield {"id": response_id, "object": "chat.completion.chunk", "created": created,

@@ -9,9 +9,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from openai_frontend.errors import invalid
-from openai_frontend.generation import (Choices, check_stream_options, log_completion, log_request, logprob_value,
-                                        replay, sampling_parameters, sse_stream, start, structured_outputs,
-                                        unless_disconnected)
+from openai_frontend.generation import (Choices, check_stream_options, chunk_frames, log_completion, log_request,
+                                        logprob_value, replay, sampling_parameters, sse_stream, start,
+                                        structured_outputs, unless_disconnected)
 from openai_frontend.schemas import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from openai_frontend.triton import TokenLogprob
 
@@ -155,9 +155,10 @@ async def serve_completion(frontend, body: CompletionRequest, raw_request: Reque
                        "choices": [], "usage": choices.usage().model_dump()}
             log_completion(frontend, response_id, choices)
 
-        def chunk_event(index, text, logprobs, finish_reason) -> dict:
-            return {"id": response_id, "object": "text_completion", "created": created, "model": body.model,
-                    "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        frame = chunk_frames(response_id, "text_completion", created, body.model)
+
+        def chunk_event(index, text, logprobs, finish_reason) -> str:
+            return frame({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
 
         return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
 

@@ -479,7 +479,7 @@ def test_stream_failure_sends_error_event_then_done():
         return [frame async for frame in sse_stream(events())]
 
     frames = asyncio.run(frames())
-    assert frames[0] == 'data: {"choices": []}\n\n'
+    assert frames[0] == 'data: {"choices":[]}\n\n'
     assert json.loads(frames[1][len("data: "):])["error"]["type"] == "service_unavailable"
     assert frames[2:] == ["data: [DONE]\n\n"]
 
