@@ -154,8 +154,8 @@ warnings.filterwarnings("error", category=EncodingWarning, module=r"(backend|too
 from backend import LLM, SamplingParams
 llm = LLM(model={model_path!r}, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256)
 params = SamplingParams(temperature=0, max_tokens=8)
-[completion] = llm.generate([{NON_ASCII_PROMPT!r}], params)
-[chat] = llm.chat([{{"role": "user", "content": {NON_ASCII_PROMPT!r}}}], params)
+[completion] = llm.generate([{ascii(NON_ASCII_PROMPT)}], params)
+[chat] = llm.chat([{{"role": "user", "content": {ascii(NON_ASCII_PROMPT)}}}], params)
 print(json.dumps([completion.outputs[0].text, chat.outputs[0].text]))
 """
     env = {**os.environ, **ASCII_PYTHON}
