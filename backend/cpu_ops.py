@@ -39,7 +39,10 @@ SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_lora.cpp",
 HEADERS = [CSRC / "vectors.h"]
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
 PORTABLE_FLAGS = ["-mno-avx512bf16"]  # x86-64 only
-ARCHES = ("native", "x86-64-v4", "x86-64-v3", "x86-64-v2")  # TRITONLLM_CPU_ARCH's usual values
+# TRITONLLM_CPU_ARCH's x86-64 levels and the CPU flags each needs beyond the one below it (those
+# that tell them apart): code for a level the CPU lacks would die on its first instruction.
+X86_LEVELS = {"x86-64-v2": {"sse4_2", "popcnt"}, "x86-64-v3": {"avx2", "fma", "bmi2"},
+              "x86-64-v4": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 i64, f32, ptr, flag = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_bool
 SIGNATURES = {
@@ -74,15 +77,29 @@ def cpu_flags() -> str:
     return ""
 
 
+def cpu_arch() -> str:
+    return os.environ.get("TRITONLLM_CPU_ARCH") or "native"
+
+
 def compile_flags(arch: str | None = None, portable: bool | None = None, machine: str | None = None) -> list[str]:
     """The compiler's flags: -march from `arch` (default $TRITONLLM_CPU_ARCH, else native: the
     kernels' vectors are then as wide as the CPU's registers, see csrc/vectors.h); `portable`
     (default: TRITONLLM_CPU_KERNELS=portable) leaves out AVX512-BF16 on x86-64 `machine`s."""
-    arch = arch or os.environ.get("TRITONLLM_CPU_ARCH") or "native"
+    arch = arch or cpu_arch()
     if portable is None:
         portable = os.environ.get("TRITONLLM_CPU_KERNELS") == "portable"
     x86 = (machine or platform.machine()).lower() in ("x86_64", "amd64")
     return [*FLAGS, f"-march={arch}", *(PORTABLE_FLAGS if portable and x86 else [])]
+
+
+def runs_here(arch: str) -> bool:
+    """Whether this CPU runs code built with -march=`arch` (native, or an x86-64 level it has; any
+    other -march is taken on trust)."""
+    if arch not in X86_LEVELS:
+        return True
+    flags, levels = set(cpu_flags().split()), list(X86_LEVELS)
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return x86 and all(X86_LEVELS[level] <= flags for level in levels[:levels.index(arch) + 1])
 
 
 def compile_library(compiler: str, flags: list[str], target: Path) -> None:
@@ -102,6 +119,8 @@ def build() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+    if not runs_here(cpu_arch()):
+        raise RuntimeError(f"TRITONLLM_CPU_ARCH={cpu_arch()}: this CPU lacks its instructions")
     flags = compile_flags()
     texts = [source.read_bytes() for source in SOURCES + HEADERS]
     identity = "\0".join([compiler, *flags, cpu_flags()]).encode()

@@ -28,19 +28,10 @@ UTF8_WARNING = "vectors.h:23:34: warning: AVX512F vector return without AVX512F 
 NON_ASCII_PROMPT = "Café, naïve, Zürich — 東京 ✓. The weather is"
 # Python as Triton's stub runs it under LANG=C.UTF-8: its preferred encoding is ASCII.
 ASCII_PYTHON = {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
-# The CPU flags each x86-64 level needs beyond the one below it (the ones that tell them apart).
-LEVEL_FLAGS = {"x86-64-v2": {"sse4_2", "popcnt"}, "x86-64-v3": {"avx2", "fma", "bmi2"},
-               "x86-64-v4": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}
 
 
 def x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
-
-
-def runs_here(arch: str) -> bool:
-    flags = set(cpu_ops.cpu_flags().split())
-    levels = list(LEVEL_FLAGS)
-    return x86() and all(LEVEL_FLAGS[level] <= flags for level in levels[:levels.index(arch) + 1])
 
 
 def fake_compiler(path: Path, exit_status: int) -> str:
@@ -69,6 +60,21 @@ def test_a_build_never_fails_the_caller_whatever_the_locale(tmp_path, exit_statu
     assert ("-Wpsabi" in stderr) == (exit_status != 0)  # a failed build says what the compiler said
 
 
+def test_a_level_this_cpu_lacks_is_refused_not_run(tmp_path):
+    """Code for an x86-64 level above this CPU's would die on its first instruction: refused, with
+    the references running instead."""
+    missing = [level for level in cpu_ops.X86_LEVELS if not cpu_ops.runs_here(level)]
+    if not missing or not x86():
+        pytest.skip("this CPU runs every x86-64 level" if x86() else "not x86-64")
+    code = "from backend import cpu_ops; print('available', cpu_ops.available())"
+    env = {**os.environ, "TRITONLLM_CPU_ARCH": missing[0], "TRITONLLM_CPU_OPS_CACHE": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                            encoding="utf-8", errors="replace")
+    assert result.stdout.strip() == "available False", result.stderr[-3000:]
+    assert f"TRITONLLM_CPU_ARCH={missing[0]}: this CPU lacks its instructions" in result.stderr
+    assert not list(tmp_path.iterdir())  # nothing was built
+
+
 @needs_compiler
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["x86-64-v4", "x86-64-v3", "x86-64-v2"])
@@ -76,7 +82,7 @@ def test_kernel_and_exactness_tests_pass_on_each_instruction_set(arch):
     """The C++ ops' tests and a greedy run against Hugging Face on the library built for an older
     x86-64 level than this CPU's (its vectors 16, 8 or 4 floats wide); the default, native build
     runs them in the suite itself. A library per level, cached as any other (about 20 s to build)."""
-    if not runs_here(arch):
+    if not cpu_ops.runs_here(arch):
         pytest.skip(f"this CPU cannot run {arch} code ({'not x86-64' if not x86() else 'missing flags'})")
     env = {**os.environ, "TRITONLLM_CPU_ARCH": arch}
     env.pop("TRITONLLM_CPU_KERNELS", None)
