@@ -139,9 +139,8 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
-    def get_metrics(self, take_observations: bool = False):
-        """The metrics' readings; take_observations is for the one exporter (backend/metrics.py)."""
-        return self.engine.get_metrics(take_observations)
+    def get_metrics(self):
+        return self.engine.get_metrics()
 
     def num_unfinished_requests(self) -> int:
         return len(self._callbacks)

@@ -354,8 +354,8 @@ class LLMEngine:
             if labels != m.lora_requests_info.labels:
                 registry.set_info(m.lora_requests_info, labels, time.time())
 
-    def get_metrics(self, take_observations: bool = False):
-        return self.metrics.registry.snapshot(take_observations)
+    def get_metrics(self):
+        return self.metrics.registry.snapshot()
 
     def shutdown(self) -> None:
         """Stop the grammar pool and the tensor/pipeline-parallel worker ranks, if any (idempotent)."""

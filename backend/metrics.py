@@ -19,9 +19,8 @@ What is counted follows vLLM v1 (what Triton's vLLM backend exports); docs/trito
 - per step that sampled: `iteration_tokens_total`, the prompt tokens counted that step plus the
   tokens appended (its sum is prompt_tokens + generation_tokens).
 
-Histograms keep bucket counts for snapshots and, once an exporter asks for them
-(`snapshot(take_observations=True)`), the observed values themselves, so that Triton's histograms
-observe the same values, not values rebuilt from bucket counts.
+Histograms keep cumulative bucket counts, sum and count, observed in order: what a Prometheus
+histogram that observed the same values would show, so an exporter copies them as they are.
 """
 
 from __future__ import annotations
@@ -69,14 +68,12 @@ class Metric:
     # (vllm:lora_requests_info, whose labels change while its key stays its name).
     labels: dict[str, str] = field(default_factory=dict)
     key: str = ""  # unique in the registry: the name, plus the labels of a labelled series
-    observations: list[float] = field(default_factory=list)  # values observed since the last take
 
 
 class MetricsRegistry:
     def __init__(self) -> None:
         self._metrics: dict[str, Metric] = {}
         self._lock = threading.Lock()
-        self._recording = False  # keep observed values (from the first take on)
 
     def _add(self, metric: Metric) -> Metric:
         if not metric.key:
@@ -116,22 +113,12 @@ class MetricsRegistry:
                 metric.bucket_counts[i] += times
             metric.sum += value * times
             metric.count += times
-            if self._recording:
-                metric.observations.extend([value] * times)
 
-    def snapshot(self, take_observations: bool = False) -> list[Metric]:
-        """Copies of every reading. With take_observations (one exporter's privilege), histograms
-        also carry the values observed since the previous take, and recording goes on."""
+    def snapshot(self) -> list[Metric]:
+        """Copies of every reading."""
         with self._lock:
-            readings = []
-            for m in self._metrics.values():
-                taken: list[float] = []
-                if take_observations and m.observations:
-                    taken, m.observations = m.observations, []
-                readings.append(Metric(m.name, m.kind, m.description, m.value, m.buckets,
-                                       list(m.bucket_counts), m.sum, m.count, dict(m.labels), m.key, taken))
-            self._recording = self._recording or take_observations
-            return readings
+            return [Metric(m.name, m.kind, m.description, m.value, m.buckets, list(m.bucket_counts), m.sum,
+                           m.count, dict(m.labels), m.key) for m in self._metrics.values()]
 
 
 class EngineMetrics:

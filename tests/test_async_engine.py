@@ -11,6 +11,7 @@ import pytest
 from backend import AsyncLLMEngine, EngineConfig, RequestOutputKind, SamplingParams
 from backend.async_engine import EngineDeadError, EngineOverloadedError
 from backend.errors import EngineError
+from backend.outputs import coalesce
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "北京是中国的首都，它有很多名胜古迹，比如",
            "Once upon a time, in a small village by the sea, there lived an old fisherman who"]
@@ -48,6 +49,51 @@ def test_concurrent_streams_match_offline(engine, llm):
 
     texts = asyncio.run(main())
     assert texts == expected * 4
+    wait_idle(engine)
+
+
+def collect(engine, request_id, prompt, params) -> list:
+    outputs, done = [], threading.Event()
+
+    def on_output(output):
+        outputs.append(output)
+        if output.finished:
+            done.set()
+
+    engine.add_request(request_id, prompt, params, on_output)
+    assert done.wait(60)
+    return outputs
+
+
+def test_coalesced_stream_outputs_equal_the_final_output(engine):
+    """What a sender that fell behind sends (a DELTA stream's outputs folded together, two streams
+    interleaved, an error between them kept) is what the request's final output says: every
+    sample's text, tokens, logprobs, cumulative logprob, finish and stop reason, the prompt's logprobs."""
+    def params(kind):
+        return SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=12, logprobs=2, prompt_logprobs=1,
+                              stop=[" the"], output_kind=kind)
+    [final] = collect(engine, "final", PROMPTS[3], params(RequestOutputKind.FINAL_ONLY))
+    first = collect(engine, "a", PROMPTS[3], params(RequestOutputKind.DELTA))
+    second = collect(engine, "b", PROMPTS[3], params(RequestOutputKind.DELTA))
+    assert len(first) > 3 and len(second) > 3
+    error = object()
+    items = [("b", second[0]), ("a", first[0]), ("b", second[1]), ("b", error),
+             *(("a", output) for output in first[1:]), *(("b", output) for output in second[2:])]
+    owners = {"a": ["a"], "b": ["b"]}  # coalesce tells owners apart by identity
+    merged, folded = coalesce([(owners[name], item) for name, item in items])
+    assert [(owner[0], item is error) for owner, item in merged] == [("b", False), ("a", False), ("b", True),
+                                                                     ("b", False)]
+    assert folded == len(items) - 4
+    expected = sorted(final.outputs, key=lambda c: c.index)
+    for output in (merged[1][1], merged[3][1]):
+        assert output.finished
+        if output is merged[3][1]:  # the second stream restarted after the error: its tail only
+            continue
+        assert output.prompt_logprobs == final.prompt_logprobs
+        got = sorted(output.outputs, key=lambda c: c.index)
+        assert [(c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason, c.stop_reason)
+                for c in got] == [(c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason,
+                                   c.stop_reason) for c in expected]
     wait_idle(engine)
 
 

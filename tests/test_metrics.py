@@ -23,24 +23,23 @@ from tests.test_triton_model import Stream, generate, is_final, llm_server, make
 from tools.triton_server import TritonServer
 
 MAX_MODEL_LEN = 512
-SERIES = re.compile(r'^(vllm:[^{ ]+)\{([^}]*)\} (\S+)$')
+SERIES = re.compile(r'^((?:vllm|tritonllm):[^{ ]+)\{([^}]*)\} (\S+)$')
 LATENCIES = ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
              "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
              "vllm:request_inference_time_seconds")
 
 
-def test_registry_hands_each_observed_value_to_the_exporter_once():
+def test_registry_histograms_count_cumulatively_as_prometheus_does():
     registry = MetricsRegistry()
     histogram = registry.histogram("vllm:x_seconds", "x", (0.1, 1.0))
-    registry.observe(histogram, 0.05)  # before any take: counted, not recorded
-    assert registry.snapshot(take_observations=True)[0].observations == []
-    registry.observe(histogram, 0.3)
+    for value in (0.05, 0.3, 1.0):
+        registry.observe(histogram, value)
     registry.observe(histogram, 7.0, times=2)
-    assert registry.snapshot()[0].observations == []  # a plain snapshot (LLM.get_metrics) takes nothing
-    [reading] = registry.snapshot(take_observations=True)
-    assert reading.observations == [0.3, 7.0, 7.0]
-    assert (reading.count, reading.sum, reading.bucket_counts) == (4, 14.35, [1, 2, 4])
-    assert registry.snapshot(take_observations=True)[0].observations == []
+    [reading] = registry.snapshot()
+    assert (reading.count, reading.sum, reading.bucket_counts) == (5, 0.05 + 0.3 + 1.0 + 14.0, [1, 3, 5])
+    registry.observe(histogram, 0.2)
+    assert reading.bucket_counts == [1, 3, 5]  # a snapshot is a copy
+    assert registry.snapshot()[0].bucket_counts == [1, 4, 6]
 
 
 def test_buckets_1_2_5_stop_at_the_limit():
@@ -144,6 +143,7 @@ def test_every_series_equals_what_the_requests_did(server, model_path):
     assert 0 <= value(after, "vllm:prefix_cache_hits_total") <= 2 * 16  # B's samples may share a block
     for name in ("drafts", "draft_tokens", "accepted_tokens"):
         assert value(after, f"vllm:spec_decode_num_{name}_total") == 0
+    assert value(after, "tritonllm:stream_outputs_coalesced_total") >= 0  # the model's own (see model.py)
     # gauges
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert value(after, name) == 0, name

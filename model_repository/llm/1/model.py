@@ -4,9 +4,12 @@ responses. It speaks the tensor contract of Triton's vLLM backend, so that backe
 Threads: Triton calls `execute`, which validates (request_parsing.py) and hands requests to the
 engine, nothing more. The engine steps on its own thread and calls back with each output; one
 sender thread turns outputs into responses, polls for cancellation and owns every FINAL flag, so
-each request gets exactly one on every path (success, error, cancel, unload). The same thread
+each request gets exactly one on every path (success, error, cancel, unload). It takes whatever
+has queued up at once, a step's outputs together, and when it has fallen behind a stream it sends
+that stream's waiting outputs as one response (`coalesce`): a send is a round trip to tritonserver,
+so a slow path sends fewer, larger messages instead of falling further behind. The same thread
 copies the engine's metrics to Triton's metrics port (triton_metrics.py) twice a second and before
-every final response, so a scrape right after a request's last response already counts it.
+it sends final responses, so a scrape right after a request's last response already counts it.
 
 Errors: a bad request is INVALID_ARG; a full waiting queue is UNAVAILABLE ("overloaded", like
 Triton's own queue-full error); a failed engine step is INTERNAL for the requests it touched. If
@@ -40,6 +43,8 @@ except ImportError as error:  # the stub runs an isolated Python: PYTHONPATH doe
 from backend.beam_search import AsyncBeamSearch, BeamSearchOutput, beam_params, to_request_output
 from backend.errors import EngineError
 from backend.lora import LoRARegistry, LoRARequest, parse_lora_modules
+from backend.metrics import Metric
+from backend.outputs import coalesce
 import sys
 
 # Installed as the `tritonllm` backend (tools/triton_server.py), this file's neighbours are
@@ -59,6 +64,7 @@ STUB_EXIT_DELAY_S = 2.0  # after an engine failure that the model cannot unload 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 MULTI_LORA_FILE = "multi_lora.json"  # {"name": "path"} beside model.json, as Triton's vLLM backend reads it
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+COALESCED_METRIC = "tritonllm:stream_outputs_coalesced"  # exported with `_total`, as counters are
 
 
 @dataclass
@@ -99,6 +105,10 @@ def lora_registry(config: EngineConfig, model_dir: str) -> LoRARegistry | None:
     return LoRARegistry(modules)
 
 
+def ends_a_request(item) -> bool:
+    return not isinstance(item, RequestOutput) or item.finished
+
+
 def string_tensor(name: str, values: list[str]):
     return pb_utils.Tensor(name, np.array([v.encode("utf-8") for v in values], dtype=np.object_))
 
@@ -123,12 +133,13 @@ class TritonPythonModel:
         self.outbox: queue.Queue = queue.Queue()
         self.poll_cursor = 0  # where the next cancellation poll starts in the job list
         self.unload_requested = False
+        self.num_coalesced = 0  # engine outputs sent inside an earlier one's response (`coalesce`)
 
         self.metrics = None
         report = model_config.get("parameters", {}).get("REPORT_CUSTOM_METRICS", {})
         if report.get("string_value", "true").lower() == "true":
             try:
-                self.metrics = MetricsExporter(self.engine.get_metrics(take_observations=True),
+                self.metrics = MetricsExporter(self._readings(),
                                                {"model": self.model_name, "version": args["model_version"]})
             except pb_utils.TritonModelException as error:  # e.g. tritonserver --allow-metrics=false
                 pb_utils.Logger.log_warn(f"[llm] metrics not exported: {error}")
@@ -240,17 +251,27 @@ class TritonPythonModel:
         last_poll = last_metrics = time.monotonic()
         while True:
             try:
-                item = self.outbox.get(timeout=CANCEL_POLL_S)
+                items = [self.outbox.get(timeout=CANCEL_POLL_S)]
             except queue.Empty:
-                item = ()
-            if item is None:
-                return
-            if item:
+                items = []
+            while True:  # and everything else already waiting: a step's outputs come together
                 try:
-                    self._deliver(*item)
+                    items.append(self.outbox.get_nowait())
+                except queue.Empty:
+                    break
+            stopping = None in items
+            items, folded = coalesce([item for item in items if item is not None])
+            self.num_coalesced += folded
+            if any(ends_a_request(item) for _, item in items):
+                self._update_metrics()  # the engine counted these requests before their last outputs
+            for job, item in items:
+                try:
+                    self._deliver(job, item)
                 except Exception:  # one bad response must not stop every other request's
                     pb_utils.Logger.log_error(f"[llm] sending a response failed: "
                                               f"{traceback.format_exc()}")
+            if stopping:
+                return
             if time.monotonic() - last_poll >= CANCEL_POLL_S:
                 last_poll = time.monotonic()
                 self._poll_cancellations()
@@ -304,7 +325,6 @@ class TritonPythonModel:
         job.done = True
         with self.jobs_lock:
             self.jobs.pop(job.request_id, None)
-        self._update_metrics()  # the engine counted this request before its last output
         job.sender.send(response, flags=FINAL)
         # Triton unloads the model only once every request object is released; a callback the
         # engine still holds must not keep this one alive.
@@ -369,11 +389,17 @@ class TritonPythonModel:
             pb_utils.Logger.log_error(f"[llm] could not unload the model ({error}); the stub exits")
             threading.Timer(STUB_EXIT_DELAY_S, os._exit, args=(1,)).start()
 
+    def _readings(self) -> list:
+        """The engine's metrics and this model's own."""
+        coalesced = Metric(COALESCED_METRIC, "counter", "Engine outputs sent inside an earlier output's "
+                           "response, the sender having fallen behind", value=self.num_coalesced, key=COALESCED_METRIC)
+        return [*self.engine.get_metrics(), coalesced]
+
     def _update_metrics(self) -> None:
         """Only ever on the sender thread, so the exporter needs no lock."""
         if self.metrics is not None:
             try:
-                self.metrics.update(self.engine.get_metrics(take_observations=True))
+                self.metrics.update(self._readings())
             except Exception:
                 pb_utils.Logger.log_error(f"[llm] metrics update failed: {traceback.format_exc()}")
 

@@ -1,7 +1,7 @@
 """Copy the engine's metrics (vLLM's names) to Triton's metrics port through pb_utils.MetricFamily.
 
-The engine keeps cumulative readings; Triton's metrics only move forward (counters increment,
-histograms observe), so each update applies the difference since the previous reading. Counters
+The engine keeps cumulative readings; Triton's counters only move forward, so each update applies
+the difference since the previous reading. Counters
 get Prometheus' `_total` suffix, as vLLM exports them: `vllm:prompt_tokens_total`.
 
 The families and metrics are never deleted, on purpose. Triton (2.51, up to core's 2026 "metrics
@@ -16,8 +16,15 @@ every instance, and the next instance's counters continue where the last one's s
 A labelled series (`vllm:request_success_total{finished_reason="stop"}`) is one more Metric of its
 name's family. An info gauge (`vllm:lora_requests_info`) carries its reading's labels: each new set
 of labels is a new series whose value is the time it was set, and the latest series is the current
-state (as vLLM exports it). Histograms observe the values the engine observed (the registry hands
-them over with `take_observations`), so Triton's sums and buckets are the engine's.
+state (as vLLM exports it).
+
+A histogram is exported as Prometheus lays one out, `<name>_bucket{le=...}`, `<name>_sum` and
+`<name>_count`, each a counter moved by the engine's cumulative readings, not through Triton's
+histogram kind: that kind takes one value per `observe()`, and every call is a round trip between
+the stub and tritonserver (two histograms see every generated token, so two round trips a token
+beside the response's one). Here an update costs one call per bucket that moved. The series'
+names, labels and values are the ones a histogram would show (`histogram_quantile` reads them
+alike); only their `# TYPE` lines say counter.
 """
 
 from __future__ import annotations
@@ -41,49 +48,65 @@ def exported_name(metric) -> str:
     return metric.name + "_total" if metric.kind == "counter" else metric.name
 
 
+def bound_label(bound: float) -> str:
+    """A bucket's `le` as prometheus_client (so vLLM) writes it: 0.5, 1.0, +Inf."""
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
 class MetricsExporter:
-    """`readings` come from `engine.get_metrics(take_observations=True)`, first and every update."""
+    """`readings` come from `engine.get_metrics()`, first and every update."""
 
     def __init__(self, readings: list, labels: dict[str, str]) -> None:
-        self.families: dict[str, object] = {}  # by name: one family for all of a name's series
-        self.series: dict[tuple, object] = {}  # (name, labels) -> a Triton Metric
+        self.families: dict[str, object] = {}  # by exported name: one family for all of a name's series
+        self.series: dict[tuple, object] = {}  # (exported name, labels) -> a Triton Metric
         self.previous: dict[str, object] = {}  # by reading key
         self.labels = labels
         # pb_utils gains MetricFamily only once the stub runs, so look the kinds up here.
-        self.kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
-                      "histogram": pb_utils.MetricFamily.HISTOGRAM}
+        self.kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE}
         self.update(readings)
 
-    def _series(self, reading):
-        key = (reading.name, tuple(sorted(reading.labels.items())))
+    def _series(self, name: str, kind: str, description: str, labels: dict[str, str]):
+        key = (name, tuple(sorted(labels.items())))
         if key not in self.series:
-            family = self.families.get(reading.name)
+            family = self.families.get(name)
             if family is None:
-                family = self.families[reading.name] = keep_forever(pb_utils.MetricFamily(
-                    name=exported_name(reading), description=reading.description, kind=self.kinds[reading.kind]))
-            labels = {**self.labels, **reading.labels}
-            if reading.kind == "histogram":
-                metric = family.Metric(labels=labels, buckets=list(reading.buckets))
-            else:
-                metric = family.Metric(labels=labels)
-            self.series[key] = keep_forever(metric)
+                family = self.families[name] = keep_forever(pb_utils.MetricFamily(
+                    name=name, description=description, kind=self.kinds[kind]))
+            self.series[key] = keep_forever(family.Metric(labels={**self.labels, **labels}))
         return self.series[key]
 
     def update(self, readings: list) -> None:
         for reading in readings:
-            metric = self._series(reading)
             before = self.previous.get(reading.key)
-            if reading.kind == "gauge":
-                if before is None or reading.value != before.value:  # each call is an IPC round trip
-                    metric.set(reading.value)
-            elif reading.kind == "counter":
-                increase = reading.value - (before.value if before else 0.0)
-                if increase > 0:
-                    metric.increment(increase)
+            if reading.kind == "histogram":
+                self._update_histogram(reading, before)
             else:
-                for value in reading.observations:
-                    metric.observe(value)
+                metric = self._series(exported_name(reading), reading.kind, reading.description, reading.labels)
+                if reading.kind == "gauge":
+                    if before is None or reading.value != before.value:  # each call is an IPC round trip
+                        metric.set(reading.value)
+                else:
+                    increase = reading.value - (before.value if before else 0.0)
+                    if increase > 0:
+                        metric.increment(increase)
             self.previous[reading.key] = reading
+
+    def _update_histogram(self, reading, before) -> None:
+        """Every series exists from the first update; later ones move only what changed."""
+        if before is not None and reading.count == before.count:
+            return
+        bounds = [*reading.buckets, float("inf")]
+        previous_counts = before.bucket_counts if before else [0] * len(bounds)
+        for bound, count, previous in zip(bounds, reading.bucket_counts, previous_counts):
+            metric = self._series(f"{reading.name}_bucket", "counter", reading.description,
+                                  {**reading.labels, "le": bound_label(bound)})
+            if count > previous:
+                metric.increment(count - previous)
+        for suffix, total, previous in (("_sum", reading.sum, before.sum if before else 0.0),
+                                        ("_count", reading.count, before.count if before else 0)):
+            metric = self._series(reading.name + suffix, "counter", reading.description, reading.labels)
+            if total > previous:
+                metric.increment(total - previous)
 
     def close(self) -> None:
         """Stop updating; the Triton objects stay alive (see the module's docstring)."""
