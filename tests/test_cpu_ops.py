@@ -154,7 +154,8 @@ def test_prefill_tokens_attend_causally_over_their_blocks(dtype, heads, kv_heads
 
 @pytest.mark.parametrize("out_features, bias", [(960, True), (80, False), (16, True)])
 def test_packed_linear_matches_linear_in_bfloat16(out_features, bias):
-    """Our kernel where the CPU has AVX512-BF16 without AMX (oneDNN's otherwise): whole panels of
+    """Our kernel where the CPU has AVX512-BF16 without AMX, oneDNN's where it packs bfloat16 (AVX-512
+    BW/VL/DQ or AVX-NE-CONVERT), F.linear on the weight as it is elsewhere (AVX2): whole panels of
     48 outputs and narrower last ones, row tiles of 8 and the rows left over, more rows than one
     chunk (512), strided rows, a bias. Each output is the float32 result rounded to bfloat16,
     give or take the last bit (the sum's order differs)."""
@@ -162,6 +163,7 @@ def test_packed_linear_matches_linear_in_bfloat16(out_features, bias):
     linear = torch.nn.Linear(576, out_features, bias=bias).to(torch.bfloat16)
     packed = cpu_ops.PackedLinear(linear, batch_size_hint=64)
     assert packed.own_kernel == cpu_ops.own_linear_kernel()
+    assert packed.onednn == (not packed.own_kernel and cpu_ops.onednn_packing(torch.bfloat16))
     for rows in (1, 7, 64, 300, 1100):
         x = torch.randn(rows, 2 * 576, dtype=torch.bfloat16)[:, 576:]
         expected = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
