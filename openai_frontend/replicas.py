@@ -191,7 +191,7 @@ class Replicas:
         entries = list(self.entries)
         if self.urls_file is not None:
             try:
-                entries += parse_urls(Path(self.urls_file).read_text())
+                entries += parse_urls(Path(self.urls_file).read_text(encoding="utf-8"))
             except OSError as error:
                 logger.warning("cannot read %s (%s); keeping the replicas it listed", self.urls_file, error)
                 return list(self.replicas)

@@ -96,7 +96,7 @@ def lora_registry(config: EngineConfig, model_dir: str) -> LoRARegistry | None:
     modules = dict(config.lora_modules or {})
     path = os.path.join(model_dir, MULTI_LORA_FILE)
     if os.path.isfile(path):
-        with open(path) as file:
+        with open(path, encoding="utf-8") as file:
             listed = json.load(file)
         if not isinstance(listed, dict):
             raise ValueError(f"{MULTI_LORA_FILE}: expected {{\"name\": \"path\"}}")
@@ -124,7 +124,7 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise ValueError("the llm model needs `model_transaction_policy { decoupled: true }`")
-        with open(f"{pb_utils.get_model_dir()}/model.json") as file:
+        with open(f"{pb_utils.get_model_dir()}/model.json", encoding="utf-8") as file:
             engine_config = EngineConfig.from_dict(json.load(file))
         self.loras = lora_registry(engine_config, pb_utils.get_model_dir())
         self.engine = AsyncLLMEngine(engine_config)
