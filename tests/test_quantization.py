@@ -431,19 +431,31 @@ def test_smollm2_quantized_runs_as_its_dequantized_float_model(smollm2_quantized
 @pytest.mark.slow
 def test_awq_beats_round_to_nearest_on_held_out_text(smollm2_quantized, model_path):
     """Perplexity on text the calibration never saw: AWQ's scale and clip search recovers part of
-    what plain round-to-nearest loses (and GPTQ does too)."""
+    what plain round-to-nearest loses, and GPTQ part of what round-to-nearest on its own grid
+    (symmetric) loses. GPTQ's symmetric grid is not compared with AWQ's asymmetric one: on 8 x 256
+    calibration tokens its margin over that is within what the CPU's float32 rounding moves it
+    (held-out 42.8 on an AVX-512 host, 46.7 on an AVX2 one, against asymmetric round-to-nearest's
+    45.2 on both)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tools.quantize_algorithms import LINEARS, quantize_rtn
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     ids = torch.tensor([tokenizer(HELD_OUT).input_ids])
 
-    def perplexity(path) -> float:
+    def perplexity(path, symmetric_round_to_nearest: bool = False) -> float:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         with torch.inference_mode():
+            if symmetric_round_to_nearest:  # GPTQ's grid (4 bits, groups of 64), nothing calibrated
+                for layer in model.model.layers:
+                    for name in LINEARS:
+                        weight = layer.get_submodule(name).weight
+                        weight.copy_(quantize_rtn(weight, 4, 64, sym=True).dequantized())
             return float(torch.exp(model(ids, labels=ids).loss))
 
     float_ppl = perplexity(model_path)
     ppl = {name: perplexity(dequantized) for name, (_, dequantized) in smollm2_quantized.items()}
+    ppl["rtn-sym"] = perplexity(model_path, symmetric_round_to_nearest=True)
     print(f"held-out perplexity: float {float_ppl:.3f}, " + ", ".join(f"{k} {v:.3f}" for k, v in ppl.items()))
     assert float_ppl < ppl["awq"] < ppl["rtn"]
-    assert ppl["gptq"] < ppl["rtn"]
+    assert float_ppl < ppl["gptq"] < ppl["rtn-sym"]
