@@ -35,7 +35,8 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_lora.cpp", CSRC / "cpu_moe.cpp"]
+SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_linear_f32.cpp", CSRC / "cpu_lora.cpp",
+           CSRC / "cpu_moe.cpp"]
 HEADERS = [CSRC / "vectors.h"]
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
 PORTABLE_FLAGS = ["-mno-avx512bf16"]  # x86-64 only
@@ -158,6 +159,10 @@ def _library() -> ctypes.CDLL | None:
         library.lora_pairs_bf16.restype = None
         library.moe_experts_bf16.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64]
         library.moe_experts_bf16.restype = None
+    if hasattr(library, "linear_f32"):  # built for AVX2 and FMA without AVX-512
+        library.pack_linear_f32.argtypes, library.pack_linear_f32.restype = [ptr, ptr, i64, i64, flag], None
+        library.linear_f32.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, flag, flag]
+        library.linear_f32.restype = None
     return library
 
 
@@ -307,17 +312,31 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torc
 
 
 @functools.cache
-def own_linear_kernel() -> bool:
-    """Whether bfloat16 linears run on `csrc/cpu_linear.cpp`: built for AVX512-BF16, on a CPU
-    without AMX (oneDNN's AMX kernels are the faster ones where it has it)."""
+def own_linear_kernel(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether linears in `dtype` run on our kernels. bfloat16: `csrc/cpu_linear.cpp`, built for
+    AVX512-BF16, on a CPU without AMX (oneDNN's AMX kernels are the faster ones where it has it).
+    float32: `csrc/cpu_linear_f32.cpp`, built for AVX2 and FMA without AVX-512 (where oneDNN's
+    AVX-512 kernels stay). TRITONLLM_CPU_LINEARS=onednn keeps oneDNN's for both."""
     library = _library()
-    return library is not None and hasattr(library, "linear_bf16") and "amx_bf16" not in cpu_flags().split()
+    if library is None or os.environ.get("TRITONLLM_CPU_LINEARS") == "onednn":
+        return False
+    if dtype == torch.float32:
+        return hasattr(library, "linear_f32")
+    return dtype == torch.bfloat16 and hasattr(library, "linear_bf16") and "amx_bf16" not in cpu_flags().split()
+
+
+# Output features our kernels take: whole panels' vectors (16 bfloat16 or 8 float32 outputs), and
+# for a gated weight whole gate + up panels (32 + 32, 8 + 8).
+OUT_MULTIPLE = {torch.bfloat16: 16, torch.float32: 8}
+GATED_MULTIPLE = {torch.bfloat16: 64, torch.float32: 16}
 
 
 def own_kernel_takes(linear: nn.Linear) -> bool:
     out_features, in_features = linear.weight.shape
-    return (own_linear_kernel() and linear.weight.dtype == torch.bfloat16 and out_features % 16 == 0
-            and in_features % 2 == 0 and (linear.bias is None or linear.bias.dtype == torch.bfloat16))
+    dtype = linear.weight.dtype
+    return (dtype in OUT_MULTIPLE and own_linear_kernel(dtype) and out_features % OUT_MULTIPLE[dtype] == 0
+            and (dtype != torch.bfloat16 or in_features % 2 == 0)
+            and (linear.bias is None or linear.bias.dtype == dtype))
 
 
 @functools.cache
@@ -337,32 +356,30 @@ def onednn_packing(dtype: torch.dtype = torch.float32) -> bool:
 
 class PackedLinear(nn.Module):
     """nn.Linear in bfloat16 or float32 with its weight packed once: into the panels of our C++
-    kernel where `own_linear_kernel()` (bfloat16 only; it prefetches the weights a decode step
-    streams from memory; the offline bench in bfloat16: 11.9 -> 9.5 s in linears, 475 -> 594 out
-    tok/s), else into oneDNN's blocked layout (bfloat16: 15-20% faster than F.linear at decode batch
-    sizes; float32: SmolLM2's projections at 64 rows 1.0-1.6x faster than MKL's sgemm on a quiet
-    host and more on a busy one, the same at 512; the offline bench in float32 +17%). Our kernel
-    takes output features in multiples of 16 and even input features; its results are F.linear's
-    but for about one output in 20,000 a bfloat16 unit away (the float32 sums' order differs from oneDNN's now and then).
-    Where neither takes the weight (bfloat16 on a CPU without AVX-512: `onednn_packing`), it stays
-    as it is and F.linear runs it.
+    kernels where `own_linear_kernel(dtype)` (bfloat16 on AVX512-BF16 without AMX; float32 on AVX2
+    without AVX-512), else into oneDNN's blocked layout. docs/benchmarks.md has what each gains.
+    Our kernels take output features in whole vectors (`OUT_MULTIPLE`) and, in bfloat16, even input
+    features; their results are F.linear's but for the sums' order (bfloat16: about one output in
+    20,000 a unit away; float32: the last bits). Where neither takes the weight (bfloat16 on a CPU
+    without AVX-512: `onednn_packing`), it stays as it is and F.linear runs it.
 
     `gated`: the weight is an MLP's gate and up projections stacked, and `silu_and_mul(x)` gives
-    ops.silu_and_mul(self(x)) in one pass, bit for bit (our kernel, output features a multiple of
-    64; `self.gated` says whether it took the offer)."""
+    ops.silu_and_mul(self(x)) in one pass, bit for bit (our kernels, output features a multiple of
+    `GATED_MULTIPLE`; `self.gated` says whether it took the offer)."""
 
     def __init__(self, linear: nn.Linear, batch_size_hint: int, gated: bool = False) -> None:
         super().__init__()
         weight = linear.weight.detach()
         self.out_features, self.in_features = weight.shape
         self.own_kernel = own_kernel_takes(linear)
-        self.gated = gated and self.own_kernel and self.out_features % 64 == 0
+        self.gated = gated and self.own_kernel and self.out_features % GATED_MULTIPLE[weight.dtype] == 0
         self.onednn = not self.own_kernel and onednn_packing(weight.dtype)
         if self.own_kernel:
             weight = weight.contiguous()
             packed = torch.empty_like(weight)
-            _library().pack_linear_bf16(packed.data_ptr(), weight.data_ptr(), self.out_features, self.in_features,
-                                        self.gated)
+            self.kernel = getattr(_library(), f"linear_{SUFFIXES[weight.dtype]}")
+            getattr(_library(), f"pack_linear_{SUFFIXES[weight.dtype]}")(
+                packed.data_ptr(), weight.data_ptr(), self.out_features, self.in_features, self.gated)
         elif self.onednn:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
         else:
@@ -387,9 +404,9 @@ class PackedLinear(nn.Module):
             rows = rows.contiguous()
         out_features = self.out_features // 2 if silu else self.out_features
         out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
-        _library().linear_bf16(out.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], self.in_features,
-                               self.weight.data_ptr(), self.out_features,
-                               None if self.bias is None else self.bias.data_ptr(), self.gated, silu)
+        self.kernel(out.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], self.in_features,
+                    self.weight.data_ptr(), self.out_features, None if self.bias is None else self.bias.data_ptr(),
+                    self.gated, silu)
         return out.view(*x.shape[:-1], out_features)
 
 

@@ -152,40 +152,55 @@ def test_prefill_tokens_attend_causally_over_their_blocks(dtype, heads, kv_heads
         start += new
 
 
-@pytest.mark.parametrize("out_features, bias", [(960, True), (80, False), (16, True)])
-def test_packed_linear_matches_linear_in_bfloat16(out_features, bias):
-    """Our kernel where the CPU has AVX512-BF16 without AMX, oneDNN's where it packs bfloat16 (AVX-512
-    BW/VL/DQ or AVX-NE-CONVERT), F.linear on the weight as it is elsewhere (AVX2): whole panels of
-    48 outputs and narrower last ones, row tiles of 8 and the rows left over, more rows than one
-    chunk (512), strided rows, a bias. Each output is the float32 result rounded to bfloat16,
-    give or take the last bit (the sum's order differs)."""
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features, bias", [(960, True), (80, False), (16, True), (8, False)])
+def test_packed_linear_matches_linear(out_features, bias, dtype):
+    """Our kernels where they run (bfloat16: AVX512-BF16 without AMX; float32: AVX2 without
+    AVX-512), oneDNN's where it packs the dtype, F.linear on the weight as it is elsewhere: whole
+    panels and narrower last ones, row tiles and the rows left over, more rows than one chunk,
+    strided rows, a bias. bfloat16: each output is the float32 result rounded, give or take the
+    last bit; float32: within a few units of the last place of the exact sum (the order differs)."""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(576, out_features, bias=bias).to(torch.bfloat16)
+    linear = torch.nn.Linear(576, out_features, bias=bias).to(dtype)
     packed = cpu_ops.PackedLinear(linear, batch_size_hint=64)
-    assert packed.own_kernel == cpu_ops.own_linear_kernel()
-    assert packed.onednn == (not packed.own_kernel and cpu_ops.onednn_packing(torch.bfloat16))
+    takes = cpu_ops.own_linear_kernel(dtype) and out_features % cpu_ops.OUT_MULTIPLE[dtype] == 0
+    assert packed.own_kernel == takes
+    assert packed.onednn == (not packed.own_kernel and cpu_ops.onednn_packing(dtype))
     for rows in (1, 7, 64, 300, 1100):
-        x = torch.randn(rows, 2 * 576, dtype=torch.bfloat16)[:, 576:]
-        expected = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
-        torch.testing.assert_close(packed(x).float(), expected.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-3)
+        x = torch.randn(rows, 2 * 576, dtype=dtype)[:, 576:]
+        exact = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
+        if dtype == torch.bfloat16:
+            torch.testing.assert_close(packed(x).float(), exact.to(dtype).float(), rtol=2 ** -7, atol=1e-3)
+        else:
+            torch.testing.assert_close(packed(x).double(), exact, rtol=1e-5, atol=1e-5)
     assert packed(x.unsqueeze(0)).shape == (1, 1100, out_features)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_gated_packed_linear_applies_silu_and_mul(bias):
+def test_gated_packed_linear_applies_silu_and_mul(bias, dtype):
     """A gate_up projection packed gated: as a linear it still gives gate then up; silu_and_mul(x)
     is the two ops in a row bit for bit (rows in uneven tiles, strided, more than a chunk)."""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(576, 2 * 1536, bias=bias).to(torch.bfloat16)
+    linear = torch.nn.Linear(576, 2 * 1536, bias=bias).to(dtype)
     gated = cpu_ops.PackedLinear(linear, batch_size_hint=64, gated=True)
     plain = cpu_ops.PackedLinear(linear, batch_size_hint=64)
-    assert gated.gated == cpu_ops.own_linear_kernel()
+    assert gated.gated == cpu_ops.own_linear_kernel(dtype)
     if not gated.gated:
         pytest.skip("the CPU kernel that applies it is not in use here")
     for rows in (1, 5, 64, 1100):
-        x = torch.randn(rows, 2 * 576, dtype=torch.bfloat16)[:, 576:]
+        x = torch.randn(rows, 2 * 576, dtype=dtype)[:, 576:]
         assert torch.equal(gated(x), plain(x))
         assert torch.equal(gated.silu_and_mul(x), cpu_ops.silu_and_mul(plain(x)))
+
+
+def test_onednn_linears_on_request():
+    """TRITONLLM_CPU_LINEARS=onednn keeps oneDNN's (or torch's) linears whatever our kernels offer."""
+    code = ("import torch; from backend import cpu_ops; "
+            "assert not cpu_ops.own_linear_kernel(torch.float32) and not cpu_ops.own_linear_kernel(); print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITONLLM_CPU_LINEARS": "onednn"},
+                            capture_output=True, text=True, cwd=str(cpu_ops.SOURCES[0].parents[2]))
+    assert result.stdout.strip() == "ok", result.stderr
 
 
 def test_disabled_kernels_fall_back_to_references():
