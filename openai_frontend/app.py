@@ -65,6 +65,7 @@ class Settings:
     request_timeout: float | None = None  # seconds for a whole request (Triton cancels it past them); none
     header_timeout: float = 10.0  # seconds a client has to send a request's headers
     body_timeout: float = 30.0  # seconds a client has to send a request's body, once its headers are in
+    prompt_as_text: bool = False  # the llm model is Triton's own vLLM backend: text prompts, its inputs only
 
     def resolved(self) -> "Settings":
         model = self.model
@@ -105,7 +106,8 @@ class Frontend:
                                      settings.chat_template)
         # Connected inside the event loop (lifespan); TritonClient's calls, routed.
         self.triton = Replicas(settings.triton_urls(), settings.routing, settings.triton_urls_file,
-                               settings.request_timeout)
+                               settings.request_timeout,
+                               self.prompts.tokenizer.decode if settings.prompt_as_text else None)
         self.metrics = FrontendMetrics(self.triton)
         self.started = int(time.time())
         # LoRA adapters served as model ids: name -> (path, registered at runtime). The Triton model

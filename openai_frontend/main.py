@@ -64,6 +64,8 @@ HELP = {
     "header_timeout": "seconds a client has to send a request's headers, else 408 and the connection closed",
     "body_timeout": "seconds a client has to send a request's body once its headers are in, else 408 and the "
                     "connection closed",
+    "prompt_as_text": "send each prompt to Triton as text (`text_input`, decoded from its token ids) with only the "
+                      "inputs of Triton's own vLLM backend, serving it as the `llm` model; cache_salt is refused",
 }
 READ_TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 

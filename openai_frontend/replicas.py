@@ -24,7 +24,7 @@ import hashlib
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,8 +153,10 @@ async def resolve(entry: str) -> list[str]:
 
 class Replicas:
     def __init__(self, urls: Iterable[str], routing: str = "least-outstanding",
-                 urls_file: str | None = None, request_timeout: float | None = None) -> None:
+                 urls_file: str | None = None, request_timeout: float | None = None,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         self.entries, self.urls_file, self.routing = list(urls), urls_file, routing
+        self.decode = decode  # TritonClient's: prompts sent as text, to Triton's vLLM backend
         self.request_timeout = request_timeout  # seconds for a whole request, retries included
         self.replicas: dict[str, Replica] = {}  # by url, in discovery order
         self.retired: list[Replica] = []  # no longer listed; closed once their requests end
@@ -208,7 +210,7 @@ class Replicas:
         urls = await self.listed()
         for url in urls:
             if url not in self.replicas:
-                self.replicas[url] = Replica(url, TritonClient(url))
+                self.replicas[url] = Replica(url, TritonClient(url, self.decode))
                 logger.info("replica %s added", url)
         for url in [url for url in self.replicas if url not in urls]:
             self.retired.append(self.replicas.pop(url))

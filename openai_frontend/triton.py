@@ -16,7 +16,7 @@ import asyncio
 import json
 import struct
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException
 
-from openai_frontend.errors import OpenAIError, from_grpc_error, from_triton_message
+from openai_frontend.errors import OpenAIError, from_grpc_error, from_triton_message, invalid
 
 LLM_MODEL = "llm"
 EMBEDDINGS_MODEL = "embeddings"
@@ -34,6 +34,8 @@ EMBEDDINGS_MAX_BATCH = 64  # the embeddings model's max_batch_size
 EMBEDDINGS_BATCHES_IN_FLIGHT = 2  # per request: enough to keep the model busy, not to monopolise it
 RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
                 "return_num_cached_tokens")
+# Sampling parameters that vLLM's SamplingParams lacks (its backend refuses the whole request).
+VLLM_BACKEND_LACKS = ("cache_salt", "priority", "lora_path")
 DRAIN_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 5.0  # a readiness call or probe not answered by then: Triton is frozen or swamped
 CHANNEL_ARGS = [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
@@ -170,8 +172,11 @@ async def _drain(responses) -> None:
 
 
 class TritonClient:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, decode: Callable[[list[int]], str] | None = None) -> None:
+        """`decode`: send each prompt as text, decoded from its token ids, with only the inputs of
+        Triton's own vLLM backend (`--prompt-as-text`), which takes no token ids."""
         self.url = url
+        self.decode = decode
         self.client = grpcclient.InferenceServerClient(url, channel_args=CHANNEL_ARGS)
 
     async def close(self) -> None:
@@ -221,12 +226,21 @@ class TritonClient:
         """
         want_logprobs = sampling_parameters.get("logprobs") is not None
         want_prompt_logprobs = sampling_parameters.get("prompt_logprobs") is not None
-        inputs = [_tensor("input_ids", np.array(prompt_token_ids, dtype=np.int32), "INT32"),
-                  _tensor("sampling_parameters", np.array([json.dumps(sampling_parameters).encode()],
+        inputs = [_tensor("sampling_parameters", np.array([json.dumps(sampling_parameters).encode()],
                                                            dtype=np.object_), "BYTES"),
                   _bool("stream", stream), _bool("exclude_input_in_output", True),
-                  _bool("return_logprobs", want_logprobs), _bool("return_prompt_logprobs", want_prompt_logprobs)]
-        inputs += [_bool(flag, True) for flag in RETURN_FLAGS]
+                  _bool("return_logprobs", want_logprobs)]
+        if self.decode is None:
+            inputs += [_tensor("input_ids", np.array(prompt_token_ids, dtype=np.int32), "INT32"),
+                       _bool("return_prompt_logprobs", want_prompt_logprobs)]
+            inputs += [_bool(flag, True) for flag in RETURN_FLAGS]
+        else:  # Triton's vLLM backend: a text prompt, and none of the inputs it lacks
+            for name in VLLM_BACKEND_LACKS:
+                if name in sampling_parameters:
+                    raise invalid(name, f"{name}: not supported by Triton's vLLM backend (--prompt-as-text)")
+            text = self.decode(prompt_token_ids).encode()
+            inputs += [_tensor("text_input", np.array([text], dtype=np.object_), "BYTES")]
+            inputs += [_bool(flag, True) for flag in RETURN_FLAGS if flag != "return_num_cached_tokens"]
         if sampling_parameters.get("n", 1) > 1:  # for best_of: the n best samples by cumulative logprob
             inputs.append(_bool("return_cumulative_logprob", True))
         request = {"model_name": LLM_MODEL, "inputs": inputs, "request_id": uuid.uuid4().hex,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
 from tools.bench import cli as bench
-from tools.bench import servers
+from tools.bench import servers, triton_vllm
 from tools.bench.external_clients import aiperf_command, figures_from_export
 from tools.bench.report import RequestRecord, percentile, summarize
 from tools.bench.runners import run_server_mode
@@ -303,3 +304,65 @@ def test_client_vllm_bench_gets_the_goodput_objectives(tmp_path):
     argv = json.loads(seen.read_text())
     assert argv[argv.index("--goodput") + 1:argv.index("--goodput") + 3] == ["ttft:2000", "tpot:150"]
     assert summary["goodput"] == 2.5
+
+
+def test_triton_vllm_repository_serves_the_llm_model_by_the_given_vllm_backend(tmp_path):
+    checkout = tmp_path / "vllm_backend"
+    (checkout / "src" / "utils").mkdir(parents=True)
+    (checkout / "src" / "model.py").write_text("# the backend\n", encoding="utf-8")
+    (checkout / "src" / "utils" / "request.py").write_text("# a helper\n", encoding="utf-8")
+    workdir = tmp_path / "work"
+    engine_args = triton_vllm.vllm_engine_args("/models/smol", "float32", stream_interval=4)
+    repository = triton_vllm.write_vllm_backend_repository(workdir, checkout, engine_args)
+    assert sorted(p.name for p in repository.iterdir()) == ["llm"]  # only the model the frontend asks for
+    assert 'backend: "vllm"' in (repository / "llm" / "config.pbtxt").read_text(encoding="utf-8")
+    assert json.loads((repository / "llm" / "1" / "model.json").read_text(encoding="utf-8")) == {
+        "model": "/models/smol", "dtype": "float32", "seed": 0, "enable_prefix_caching": False, "stream_interval": 4}
+    backend = workdir / "backends" / "vllm"
+    # The checkout's model.py under another name, loaded by a shim of ours that sets a UTF-8 locale first.
+    assert (backend / "vllm_backend_model.py").read_text(encoding="utf-8") == "# the backend\n"
+    shim = (backend / "model.py").read_text(encoding="utf-8")
+    assert "C.UTF-8" in shim and "from vllm_backend_model import TritonPythonModel" in shim
+    assert (backend / "utils" / "request.py").read_text(encoding="utf-8") == "# a helper\n"
+    with pytest.raises(SystemExit, match="no src/model.py"):
+        triton_vllm.write_vllm_backend_repository(workdir, tmp_path / "elsewhere", engine_args)
+
+
+def test_triton_vllm_is_a_vllm_mode_that_needs_the_backend_checkout(monkeypatch):
+    runs = bench.plan_runs(["triton-vllm"], ["float32"], ["default", "all"])
+    assert [r.label for r in runs] == ["triton-vllm default-cores", "triton-vllm all-cores"]
+    with pytest.raises(SystemExit, match="--vllm-python"):
+        bench.run(bench_args("--modes", "triton-vllm"))
+    monkeypatch.delenv(triton_vllm.BACKEND_SRC_ENV, raising=False)
+    with pytest.raises(SystemExit, match="--vllm-backend-src"):
+        triton_vllm.start_triton_vllm(bench_args("--vllm-python", sys.executable))
+
+
+def test_client_vllm_bench_sends_no_cache_salt_to_an_unsalted_server(tmp_path):
+    seen = tmp_path / "seen.jsonl"
+    stand_in = tmp_path / "python"
+    result = {"output_throughput": 400.0, "request_throughput": 3.1, "total_input_tokens": 8192, "duration": 20.0}
+    stand_in.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"open({str(seen)!r}, 'a').write(json.dumps(sys.argv) + '\\n')\n"
+        "out = sys.argv[sys.argv.index('--result-dir') + 1]\n"
+        f"open(os.path.join(out, 'result.json'), 'w').write({json.dumps(result)!r})\n")
+    stand_in.chmod(0o755)
+    args = bench_args("--client", "vllm-bench", "--vllm-python", str(stand_in), "--model", str(tmp_path))
+    args.concurrency = [8]
+    run_server_mode("openai", {"openai": "http://127.0.0.1:9", "model": "llm"}, args, None, salted=False)
+    assert "--extra-body" not in json.loads(seen.read_text(encoding="utf-8"))
+
+
+def test_triton_vllm_stub_python_is_the_vllm_venv_under_our_numpy(tmp_path):
+    vllm_venv = tmp_path / "venv-vllm"
+    (vllm_venv / "bin").mkdir(parents=True)
+    (vllm_venv / "pyvenv.cfg").write_text("home = /usr/bin\n", encoding="utf-8")
+    (vllm_venv / "bin" / "python").symlink_to(sys.executable)
+    python = triton_vllm.stub_python(tmp_path / "stub", str(vllm_venv / "bin" / "python"))
+    assert python.resolve() == Path(sys.executable).resolve()
+    assert (tmp_path / "stub" / "pyvenv.cfg").read_text(encoding="utf-8") == "home = /usr/bin\n"
+    site_packages = next((tmp_path / "stub" / "lib").glob("python3.*/site-packages"))
+    assert (site_packages / "numpy" / "__init__.py").is_file()
+    assert str(vllm_venv / site_packages.relative_to(tmp_path / "stub")) in \
+        (site_packages / "vllm_venv.pth").read_text(encoding="utf-8")

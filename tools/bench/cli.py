@@ -13,9 +13,11 @@ import tools.bench
 from tools.bench.report import GOODPUT_METRICS, plot, print_report
 from tools.bench.runners import OFFLINE_RUNNERS, run_server_mode
 from tools.bench.servers import start_tritonllm, start_vllm_serve, stop
+from tools.bench.triton_vllm import BACKEND_SRC_ENV, start_triton_vllm
 from tools.bench.workloads import DEFAULT_INPUT_LEN, DEFAULT_NUM_PROMPTS, WORKLOADS, make_workload, resolved_model
 
-MODES = ("offline", "triton", "openai", "hf-sequential", "hf-batch", "vllm-offline", "vllm-serve")
+MODES = ("offline", "triton", "openai", "hf-sequential", "hf-batch", "vllm-offline", "vllm-serve", "triton-vllm")
+VLLM_MODES = ("vllm-offline", "vllm-serve", "triton-vllm")  # run by the --vllm-python venv, at each --vllm-cores
 VLLM_CORES = ("default", "all")  # VLLM_CPU_OMP_THREADS_BIND unset (a core for its front end) / 0-N
 
 
@@ -34,7 +36,7 @@ def plan_runs(modes: list[str], dtypes: list[str], vllm_cores: list[str]) -> lis
     runs = []
     for dtype in dtypes:
         for mode in modes:
-            for cores in vllm_cores if mode.startswith("vllm") else [None]:
+            for cores in vllm_cores if mode in VLLM_MODES else [None]:
                 label = " ".join([mode] + [dtype] * (len(dtypes) > 1)
                                  + [f"{cores}-cores"] * (cores is not None and len(vllm_cores) > 1))
                 runs.append(Run(label, mode, dtype, cores))
@@ -83,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(needs --vllm-python) or NVIDIA's aiperf (needs --aiperf)")
     parser.add_argument("--aiperf", default=None,
                         help="the aiperf executable of its own venv (tools/setup_aiperf.sh prints it)")
+    parser.add_argument("--vllm-backend-src", default=None,
+                        help="triton-vllm: a checkout of github.com/triton-inference-server/vllm_backend "
+                             f"(the folder holding src/model.py; default: ${BACKEND_SRC_ENV})")
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     parser.add_argument("--vllm-cores", default="default",
                         help="comma-separated, from: default (vLLM leaves a core to its front end), "
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"--modes: unknown {', '.join(unknown)}")
-    if (any(m.startswith("vllm") for m in modes) or args.client == "vllm-bench") and not args.vllm_python:
+    if (set(modes) & set(VLLM_MODES) or args.client == "vllm-bench") and not args.vllm_python:
         raise SystemExit("vllm modes and --client vllm-bench need --vllm-python PATH")
     if args.stream_interval < 1:
         raise SystemExit("--stream-interval: must be at least 1")
@@ -124,10 +129,13 @@ def run(args: argparse.Namespace) -> int:
             mode = run_.mode
             if mode in OFFLINE_RUNNERS:
                 results[run_.label] = OFFLINE_RUNNERS[mode](run_args, workload)
-            elif mode == "vllm-serve":
-                process, urls = start_vllm_serve(run_args)
+            elif mode in ("vllm-serve", "triton-vllm"):
+                start = start_vllm_serve if mode == "vllm-serve" else start_triton_vllm
+                process, urls = start(run_args)
                 try:
-                    results[run_.label] = run_server_mode("openai", urls, run_args, workload)
+                    # Triton's vLLM backend takes no cache_salt (its model runs without a prefix cache).
+                    results[run_.label] = run_server_mode("openai", urls, run_args, workload,
+                                                          salted=mode != "triton-vllm")
                 finally:
                     stop(process)
             else:

@@ -19,7 +19,7 @@ from tools.bench.servers import vllm_environment
 VLLM_COMMAND = Path(__file__).with_name("vllm_scripts") / "vllm_command.py"
 
 
-def run_vllm_bench_client(urls: dict, args, concurrency: int, tokenizer: str, cache_salt: str) -> dict:
+def run_vllm_bench_client(urls: dict, args, concurrency: int, tokenizer: str, cache_salt: str | None) -> dict:
     """One `vllm bench serve` run against an OpenAI-compatible server; its figures in our names."""
     with tempfile.TemporaryDirectory() as tmp:
         command = [args.vllm_python, str(VLLM_COMMAND), "bench", "serve", "--backend", "openai",
@@ -29,8 +29,9 @@ def run_vllm_bench_client(urls: dict, args, concurrency: int, tokenizer: str, ca
                    "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate),
                    "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(args.seed),
                    "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-                   "--extra-body", json.dumps({"cache_salt": cache_salt}),
                    "--save-result", "--result-dir", tmp, "--result-filename", "result.json"]
+        if cache_salt is not None:
+            command += ["--extra-body", json.dumps({"cache_salt": cache_salt})]
         if args.goodput:
             command += ["--goodput", *(f"{key}:{limit:g}" for key, limit in args.goodput)]
         subprocess.run(command, check=True, env=vllm_environment(args), stdout=sys.stderr)

@@ -115,14 +115,15 @@ OFFLINE_RUNNERS = {"offline": run_offline, "hf-sequential": run_hf_sequential, "
                    "vllm-offline": run_vllm_offline}
 
 
-def run_server_mode(mode: str, urls: dict, args, workload: Workload) -> list[dict]:
+def run_server_mode(mode: str, urls: dict, args, workload: Workload, salted: bool = True) -> list[dict]:
     """One run per concurrency against a running server: `triton` by gRPC, `openai` by the
-    completions endpoint (this tool's client, `vllm bench serve` or aiperf)."""
+    completions endpoint (this tool's client, `vllm bench serve` or aiperf); `salted`: each run
+    sends a cache_salt of its own."""
     results = []
     for concurrency in args.concurrency:
         # One server answers every mode and concurrency of a dtype in turn, and the prompts repeat: a
         # salt of its own keeps each run from finding the previous run's prompts in the prefix cache.
-        cache_salt = f"tritonllm-bench-{uuid.uuid4().hex}"
+        cache_salt = f"tritonllm-bench-{uuid.uuid4().hex}" if salted else None
         watcher = MetricsWatcher(urls.get("metrics"))
         before = watcher.counters()
         if args.client == "vllm-bench" and mode == "openai":
@@ -137,8 +138,8 @@ def run_server_mode(mode: str, urls: dict, args, workload: Workload) -> list[dic
     return results
 
 
-async def run_builtin_client(mode: str, urls: dict, args, workload: Workload, concurrency: int, cache_salt: str,
-                             watcher: MetricsWatcher) -> dict:
+async def run_builtin_client(mode: str, urls: dict, args, workload: Workload, concurrency: int,
+                             cache_salt: str | None, watcher: MetricsWatcher) -> dict:
     """This tool's own client (Triton gRPC or OpenAI SSE), with the server's KV usage polled alongside."""
     task = asyncio.create_task(watcher.watch())
     if mode == "triton":

@@ -28,11 +28,19 @@ def wait_http(url: str, timeout: float, process: subprocess.Popen) -> None:
 
 
 def stop(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGTERM)
+    """SIGTERM to the server's process group, then SIGKILL to whatever of it is left (a child that
+    outlived its leader: vLLM's engine process, a Python stub, the frontend started beside Triton)."""
     try:
+        os.killpg(process.pid, signal.SIGTERM)
         process.wait(60)
     except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
         os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def start_tritonllm(args) -> tuple[subprocess.Popen, dict]:
