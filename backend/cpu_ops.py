@@ -377,8 +377,8 @@ class PackedLinear(nn.Module):
         if self.own_kernel:
             weight = weight.contiguous()
             packed = torch.empty_like(weight)
-            self.kernel = getattr(_library(), f"linear_{SUFFIXES[weight.dtype]}")
-            getattr(_library(), f"pack_linear_{SUFFIXES[weight.dtype]}")(
+            self.kernel = f"linear_{SUFFIXES[weight.dtype]}"  # looked up per call: the module stays picklable
+            getattr(_library(), f"pack_{self.kernel}")(
                 packed.data_ptr(), weight.data_ptr(), self.out_features, self.in_features, self.gated)
         elif self.onednn:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
@@ -404,9 +404,9 @@ class PackedLinear(nn.Module):
             rows = rows.contiguous()
         out_features = self.out_features // 2 if silu else self.out_features
         out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
-        self.kernel(out.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], self.in_features,
-                    self.weight.data_ptr(), self.out_features, None if self.bias is None else self.bias.data_ptr(),
-                    self.gated, silu)
+        kernel = getattr(_library(), self.kernel)
+        kernel(out.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], self.in_features, self.weight.data_ptr(),
+               self.out_features, None if self.bias is None else self.bias.data_ptr(), self.gated, silu)
         return out.view(*x.shape[:-1], out_features)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import subprocess
@@ -174,6 +175,7 @@ def test_packed_linear_matches_linear(out_features, bias, dtype):
         else:
             torch.testing.assert_close(packed(x).double(), exact, rtol=1e-5, atol=1e-5)
     assert packed(x.unsqueeze(0)).shape == (1, 1100, out_features)
+    assert torch.equal(copy.deepcopy(packed)(x), packed(x))  # nothing unpicklable held (a ctypes function)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
