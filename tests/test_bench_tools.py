@@ -366,3 +366,47 @@ def test_triton_vllm_stub_python_is_the_vllm_venv_under_our_numpy(tmp_path):
     assert (site_packages / "numpy" / "__init__.py").is_file()
     assert str(vllm_venv / site_packages.relative_to(tmp_path / "stub")) in \
         (site_packages / "vllm_venv.pth").read_text(encoding="utf-8")
+
+
+def test_prompt_as_text_sends_only_the_vllm_backend_inputs():
+    """`--prompt-as-text` (the triton-vllm mode's frontend): the prompt goes as `text_input`, decoded
+    from its token ids (UTF-8 kept), with no token ids and none of the inputs Triton's vLLM backend
+    lacks; a parameter vLLM's SamplingParams has no field for is refused before anything is sent."""
+    import asyncio
+    import struct
+
+    from openai_frontend.errors import OpenAIError
+    from openai_frontend.replicas import ReplicaUnavailable
+    from openai_frontend.triton import TritonClient
+
+    sent: list[dict] = []
+
+    def stream_infer(requests, stream_timeout=None):
+        async def answers():
+            async for request in requests:
+                sent.append(request)
+            return
+            yield  # an async generator that answers nothing: the stream closes
+
+        return answers()
+
+    async def run(parameters: dict) -> None:
+        client = TritonClient("127.0.0.1:1", decode=lambda ids: "héllo " + " ".join(map(str, ids)))
+        client.client.stream_infer = stream_infer  # type: ignore[method-assign]
+        try:
+            async for _ in client.generate([7, 8], parameters, stream=True):
+                pass
+        finally:
+            await client.close()
+
+    with pytest.raises(ReplicaUnavailable):  # nothing answered: the request was only sent
+        asyncio.run(run({"max_tokens": 4}))
+    inputs = {tensor.name(): tensor for tensor in sent[0]["inputs"]}
+    assert "text_input" in inputs and "input_ids" not in inputs
+    assert "return_prompt_logprobs" not in inputs and "return_num_cached_tokens" not in inputs
+    raw = inputs["text_input"]._get_content()
+    assert raw[4:].decode() == "héllo 7 8" and struct.unpack("<I", raw[:4])[0] == len("héllo 7 8".encode())
+    with pytest.raises(OpenAIError) as error:
+        asyncio.run(run({"max_tokens": 4, "cache_salt": "tenant"}))
+    assert error.value.status == 400 and "cache_salt" in error.value.message
+    assert len(sent) == 1
