@@ -173,9 +173,9 @@ def test_client_aiperf_runs_the_given_executable_per_concurrency(tmp_path, monke
     assert [len(s) for s in salts] == [1, 1] and salts[0] != salts[1]  # each run its own cold prefix cache
 
 
-def test_client_vllm_bench_sends_each_run_its_own_cache_salt(tmp_path):
-    # A stand-in for the vLLM venv's Python: it records `vllm bench serve`'s arguments and writes a
-    # result file where that command would.
+def vllm_bench_stand_in(tmp_path: Path) -> tuple[Path, Path]:
+    """A stand-in for the vLLM venv's Python: it records `vllm bench serve`'s arguments (a JSON line
+    per call in the second path) and writes a result file where that command would."""
     seen = tmp_path / "seen.jsonl"
     stand_in = tmp_path / "python"
     result = {"output_throughput": 400.0, "request_throughput": 3.1, "total_input_tokens": 8192, "duration": 20.0}
@@ -185,6 +185,11 @@ def test_client_vllm_bench_sends_each_run_its_own_cache_salt(tmp_path):
         "out = sys.argv[sys.argv.index('--result-dir') + 1]\n"
         f"open(os.path.join(out, 'result.json'), 'w').write({json.dumps(result)!r})\n")
     stand_in.chmod(0o755)
+    return stand_in, seen
+
+
+def test_client_vllm_bench_sends_each_run_its_own_cache_salt(tmp_path):
+    stand_in, seen = vllm_bench_stand_in(tmp_path)
     args = bench_args("--client", "vllm-bench", "--vllm-python", str(stand_in), "--model", str(tmp_path))
     args.concurrency = [8, 64]
     results = run_server_mode("openai", {"openai": "http://127.0.0.1:9", "model": "llm"}, args, None)
@@ -339,15 +344,7 @@ def test_triton_vllm_is_a_vllm_mode_that_needs_the_backend_checkout(monkeypatch)
 
 
 def test_client_vllm_bench_sends_no_cache_salt_to_an_unsalted_server(tmp_path):
-    seen = tmp_path / "seen.jsonl"
-    stand_in = tmp_path / "python"
-    result = {"output_throughput": 400.0, "request_throughput": 3.1, "total_input_tokens": 8192, "duration": 20.0}
-    stand_in.write_text(
-        f"#!{sys.executable}\nimport json, os, sys\n"
-        f"open({str(seen)!r}, 'a').write(json.dumps(sys.argv) + '\\n')\n"
-        "out = sys.argv[sys.argv.index('--result-dir') + 1]\n"
-        f"open(os.path.join(out, 'result.json'), 'w').write({json.dumps(result)!r})\n")
-    stand_in.chmod(0o755)
+    stand_in, seen = vllm_bench_stand_in(tmp_path)
     args = bench_args("--client", "vllm-bench", "--vllm-python", str(stand_in), "--model", str(tmp_path))
     args.concurrency = [8]
     run_server_mode("openai", {"openai": "http://127.0.0.1:9", "model": "llm"}, args, None, salted=False)
