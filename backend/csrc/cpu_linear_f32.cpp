@@ -1,7 +1,7 @@
 // float32 linear layers, y = x W^T (+ b), on AVX2's fused multiply-adds: for CPUs whose widest
 // vectors are 8 floats (AMD Zen 1-3, Intel before Skylake-SP, most laptops). backend/cpu_ops.py
-// keeps oneDNN where the build targets AVX-512, and without AVX2 and FMA this file compiles to nothing. Built into
-// one library with cpu_ops.cpp.
+// keeps oneDNN where the build targets AVX-512; without AVX2 and FMA this file compiles to
+// nothing. Built into one library with cpu_ops.cpp.
 //
 // The shape is the bfloat16 kernel's (cpu_linear.cpp): weights packed once into panels that a tile
 // of rows streams through, threads claiming panels one at a time, SiLU-and-multiply applied as a
