@@ -3,20 +3,20 @@
 from backend.config import EngineConfig
 from backend.lora import LoRARequest
 from backend.outputs import CompletionOutput, Logprob, RequestOutput
-from backend.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from backend.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from backend.sampling_params import RequestOutputKind, SamplingParams
 
 
 def __getattr__(name: str):
     # The engine pulls in torch; import it only when asked for.
     if name == "LLM":
-        from backend.llm import LLM
+        from backend.engine.llm import LLM
         return LLM
     if name == "LLMEngine":
-        from backend.engine import LLMEngine
+        from backend.engine.engine import LLMEngine
         return LLMEngine
     if name == "AsyncLLMEngine":
-        from backend.async_engine import AsyncLLMEngine
+        from backend.engine.async_engine import AsyncLLMEngine
         return AsyncLLMEngine
     raise AttributeError(name)
 

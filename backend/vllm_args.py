@@ -55,8 +55,8 @@ def at_most_one(value: Any) -> bool:
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bfloat": "bfloat16"}
 NO_REMOTE_CODE = "no remote code runs here: architectures are tritonllm's own (backend/models/)"
 MULTIMODAL = "tritonllm serves text-only models; multimodal settings have nothing to act on"
-CUDA_GRAPHS = "the engine decides CUDA-graph capture itself (backend/cuda_graphs.py); nothing to do on a CPU"
-NO_RAY = "one engine process with its own workers (backend/distributed.py); no Ray, no executor choice"
+CUDA_GRAPHS = "the engine decides CUDA-graph capture itself (backend/worker/cuda_graphs.py); nothing to do on a CPU"
+NO_RAY = "one engine process with its own workers (backend/worker/distributed.py); no Ray, no executor choice"
 LOGGING = "the engine logs no periodic stats or requests; metrics are on Triton's metrics port"
 LORA = "LoRA adapters are served (enable_lora, max_loras, max_lora_rank, lora_modules); this setting has no counterpart"
 SPECULATIVE = "give speculative_config (vLLM's JSON) instead of the older separate arguments"
@@ -96,7 +96,7 @@ VLLM_ENGINE_ARGS: dict[str, VllmArg] = {
     "model_loader_extra_config": ignored("the loader has no extra settings"),
     "config_format": ignored("configs are read as Hugging Face config.json (or from a .gguf file)"),
     "model_impl": ignored("models are tritonllm's own implementations (backend/models/)"),
-    "use_v2_block_manager": ignored("the KV-cache manager is the engine's own (backend/kv_cache.py)"),
+    "use_v2_block_manager": ignored("the KV-cache manager is the engine's own (backend/core/kv_cache.py)"),
     "num_lookahead_slots": ignored("speculative decoding reserves its own slots"),
     "num_scheduler_steps": ignored("one scheduling decision per step"),
     "multi_step_stream_outputs": ignored("one scheduling decision per step"),
@@ -210,7 +210,7 @@ VLLM_ENGINE_ARGS: dict[str, VllmArg] = {
     "ngram_prompt_lookup_min": default_only(SPECULATIVE),
     "kv_transfer_config": default_only("no disaggregated prefill / KV transfer here"),
     "kv_events_config": default_only("the engine publishes no KV-cache events"),
-    "scheduler_cls": default_only(NO_REMOTE_CODE + "; the scheduler is backend/scheduler.py",
+    "scheduler_cls": default_only(NO_REMOTE_CODE + "; the scheduler is backend/core/scheduler.py",
                                   one_of("vllm.core.scheduler.Scheduler", "vllm.v1.core.sched.scheduler.Scheduler")),
     "worker_cls": default_only(NO_REMOTE_CODE, one_of("auto")),
     "worker_extension_cls": default_only(NO_REMOTE_CODE),

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from backend import AsyncLLMEngine, EngineConfig, RequestOutputKind, SamplingParams
-from backend.async_engine import EngineDeadError, EngineOverloadedError
+from backend.engine.async_engine import EngineDeadError, EngineOverloadedError
 from backend.errors import EngineError
 from backend.outputs import coalesce
 

@@ -1,4 +1,4 @@
-"""Beam search (backend/beam_search.py): token-exact against transformers' `generate(num_beams=k)` in
+"""Beam search (backend/engine/beam_search.py): token-exact against transformers' `generate(num_beams=k)` in
 float32 offline, and the same beams through Triton (tritonclient) and the OpenAI frontend (the
 openai SDK) on a real `tritonllm serve`."""
 
@@ -168,7 +168,7 @@ def test_async_beam_search_matches_offline_and_abort_frees_blocks(model_path, ll
     import queue
 
     from backend import AsyncLLMEngine, EngineConfig
-    from backend.beam_search import AsyncBeamSearch, BeamSearchOutput
+    from backend.engine.beam_search import AsyncBeamSearch, BeamSearchOutput
     engine = AsyncLLMEngine(EngineConfig.from_dict({"model": model_path, "dtype": "float32",
                                                     "kv_cache_memory_bytes": 64 << 20}))
     try:

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend import cpu_ops
-from backend.attention import cache_views
+from backend.ops import cpu_ops
+from backend.ops.attention import cache_views
 from backend.kernels import reference
 
 # Without a compiler the references run instead; with one, a failed build is a failure here.
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c+
 
 
 def test_library_builds_and_loads():
-    assert cpu_ops.available(), "the C++ ops did not build: see the warning logged by backend.cpu_ops"
+    assert cpu_ops.available(), "the C++ ops did not build: see the warning logged by backend.ops.cpu_ops"
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -199,7 +199,7 @@ def test_gated_packed_linear_applies_silu_and_mul(bias, dtype):
 
 def test_onednn_linears_on_request():
     """TRITONLLM_CPU_LINEARS=onednn keeps oneDNN's (or torch's) linears whatever our kernels offer."""
-    code = ("import torch; from backend import cpu_ops; "
+    code = ("import torch; from backend.ops import cpu_ops; "
             "assert not cpu_ops.own_linear_kernel(torch.float32) and not cpu_ops.own_linear_kernel(); print('ok')")
     result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITONLLM_CPU_LINEARS": "onednn"},
                             capture_output=True, text=True, cwd=str(cpu_ops.SOURCES[0].parents[2]))
@@ -207,7 +207,7 @@ def test_onednn_linears_on_request():
 
 
 def test_disabled_kernels_fall_back_to_references():
-    code = "from backend import cpu_ops; assert not cpu_ops.available(); print('ok')"
+    code = "from backend.ops import cpu_ops; assert not cpu_ops.available(); print('ok')"
     result = subprocess.run([sys.executable, "-c", code], env={"TRITONLLM_CPU_KERNELS": "0", "PATH": ""},
                             capture_output=True, text=True, cwd=str(cpu_ops.SOURCES[0].parents[2]))
     assert result.stdout.strip() == "ok", result.stderr
@@ -236,7 +236,7 @@ def test_sample_rows_argmax_and_inverse_cdf():
     """Greedy rows are torch's argmax (ties go to the first index); sampled rows draw what the
     torch path draws at the same uniform numbers (bar the odd one on a rounding boundary) and
     never a token whose logit is -inf."""
-    from backend.sampling import inverse_cdf
+    from backend.sampling.sampler import inverse_cdf
 
     torch.manual_seed(0)
     logits = torch.randn(300, 1000) * 3

@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from backend.metrics import EngineMetrics
+from backend.engine.metrics import EngineMetrics
 from openai_frontend.main import parse_settings
 
 ROOT = Path(__file__).resolve().parent.parent

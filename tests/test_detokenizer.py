@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backend import RequestOutputKind, SamplingParams
-from backend.detokenizer import IncrementalDetokenizer
+from backend.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["Hello, world! 你好，世界。", "emoji 🙂🐶🏠 and ünïcödé", "  leading spaces\nand\ttabs  ",
          "日本語のテキストも大丈夫です", "def f(x):\n    return x ** 2  # 二乗"]

@@ -119,7 +119,7 @@ def test_latent_kv_cache_bytes_per_token(tmp_path):
     """DeepSeek's cache holds one latent (kv_lora_rank + qk_rope_head_dim) per token and layer, no
     heads: 40 floats here against full attention's 4 heads x (24 + 12); the engine sizes its blocks
     by it. DeepSeek-V3's own shape in bfloat16: 1,152 bytes against 81,920 (71x fewer)."""
-    from backend.models.layers.mla import LatentAttentionArgs, cache_bytes_per_token
+    from backend.layers.mla import LatentAttentionArgs, cache_bytes_per_token
 
     tiny("deepseek-dense", tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20)

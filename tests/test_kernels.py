@@ -287,7 +287,7 @@ def test_engine_greedy_tokens_unchanged_on_triton_kernels(tmp_path):
 
 
 def test_cuda_graph_sizes_and_padding():
-    from backend.cuda_graphs import cuda_graph_batch_sizes, padded_batch_size
+    from backend.worker.cuda_graphs import cuda_graph_batch_sizes, padded_batch_size
 
     assert cuda_graph_batch_sizes(256)[:5] == [1, 2, 4, 8, 16] and cuda_graph_batch_sizes(256)[-1] == 256
     assert len(cuda_graph_batch_sizes(256)) == 3 + 32
@@ -302,7 +302,7 @@ def test_cuda_graph_sizes_and_padding():
 def test_kv_budget_and_profiling_step():
     from backend.config import EngineConfig
     from backend.config import max_step_tokens
-    from backend.kv_memory import gpu_kv_cache_budget, profile_sequence_lengths
+    from backend.core.kv_memory import gpu_kv_cache_budget, profile_sequence_lengths
 
     gib = 1 << 30
     # 80 GiB GPU at 0.9: 72 GiB, less 3 GiB in use, 2 GiB of activations, the 256 MiB reserve.
@@ -317,7 +317,7 @@ def test_kv_budget_and_profiling_step():
 def test_cpu_kv_cache_is_resident_zeros_from_the_start():
     """The CPU cache is faulted in at allocation (first touches inside a step cost its prefill up
     to 45%), and on huge pages where the kernel gives them to a madvise'd private mapping."""
-    from backend.kv_memory import KVCacheLayout, allocate_kv_caches
+    from backend.core.kv_memory import KVCacheLayout, allocate_kv_caches
 
     layout = KVCacheLayout(num_layers=2, num_kv_heads=3, block_size=16, head_dim=64, dtype=torch.bfloat16)
     caches = allocate_kv_caches(layout, 2048, torch.device("cpu"))  # 2 x 24 MiB

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from backend.kv_cache import KVCacheManager
-from backend.request import Request
+from backend.core.kv_cache import KVCacheManager
+from backend.core.request import Request
 from backend.sampling_params import SamplingParams
 
 

@@ -226,7 +226,9 @@ def test_cpu_path_matches_reference(dtype, path, monkeypatch):
     adapters of different ranks and one that leaves a slice alone (rank columns padded inside)."""
     from torch import nn
 
-    from backend import cpu_ops, ops
+    from backend.ops import cpu_ops
+
+    from backend import ops
     from backend.lora.layers import LoRAContext, LoRALinear
 
     if path == "gemms":

@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 from transformers import AutoTokenizer
 
-from backend.metrics import (ITERATION_TOKENS_BUCKETS, N_BUCKETS, REQUEST_LATENCY_BUCKETS, MetricsRegistry,
+from backend.engine.metrics import (ITERATION_TOKENS_BUCKETS, N_BUCKETS, REQUEST_LATENCY_BUCKETS, MetricsRegistry,
                              buckets_1_2_5)
 from tests.test_triton_model import Stream, generate, is_final, llm_server, make_inputs
 from tools.triton_server import TritonServer

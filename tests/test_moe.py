@@ -14,9 +14,9 @@ from backend.kernels import reference
 from backend.kernels.fused_moe import align_by_expert, fused_moe
 
 from backend import LLM, SamplingParams
-from backend.models.layers.moe import (MoEArgs, Router, SparseMoE, grouped_experts, per_token_experts,
+from backend.layers.moe import (MoEArgs, Router, SparseMoE, grouped_experts, per_token_experts,
                                        sparse_layers)
-from backend.parallel_state import ParallelState
+from backend.worker.parallel_state import ParallelState
 from tests.test_kernels import on_torch_and_triton
 from tests.test_model_families import PROMPTS, SHAPE, WINDOW, assert_tensor_parallel_matches_hf, hf_greedy, save_random
 
@@ -293,7 +293,7 @@ def test_topk_softmax_router_matches_gpt_oss():
 def test_transposed_interleaved_fused_layout_splits_per_expert():
     """gpt-oss's layout: gate_up_proj [E, H, 2I] with gate and up interleaved along 2I, down_proj
     [E, I, H], biases [E, 2I] / [E, H]: each expert's nn.Linear-shaped gate, up and down."""
-    from backend.models.layers.moe import checkpoint_tensors
+    from backend.layers.moe import checkpoint_tensors
 
     moe = MoEArgs(num_experts=2, top_k=1, intermediate_size=3, sparse_layers=(True,), fused_transposed=True,
                   gate_up_interleaved=True, expert_bias=True)
@@ -351,7 +351,7 @@ def test_moe_model_greedy_tokens_unchanged_on_triton_kernels(tmp_path):
 
 # -- the CPU MoE kernel (backend/csrc/cpu_moe.cpp), bfloat16 at a few tokens -------------------------------------
 def needs_cpu_moe_kernel():
-    from backend.cpu_ops import moe_kernel_available
+    from backend.ops.cpu_ops import moe_kernel_available
 
     if not moe_kernel_available():
         pytest.skip("the CPU MoE kernel is not built here (no compiler, no AVX512-BF16, or TRITONLLM_CPU_KERNELS=0)")
@@ -361,7 +361,7 @@ def needs_cpu_moe_kernel():
 # 48, 40: partial vectors and blocks; 256, 200: enough work for the kernel to share it among torch's threads
 @pytest.mark.parametrize("hidden,intermediate", [(64, 32), (48, 40), (256, 200)])
 def test_cpu_moe_kernel_matches_reference_on_uneven_loads(num_tokens, top_k, hidden, intermediate):
-    from backend.cpu_ops import moe_experts
+    from backend.ops.cpu_ops import moe_experts
 
     needs_cpu_moe_kernel()
     torch.manual_seed(0)
@@ -382,8 +382,8 @@ def test_moe_layer_runs_the_cpu_kernel_at_small_bfloat16_batches():
     """In bfloat16 the routed experts' linears stay unpacked (the kernel reads them), the kernel runs
     up to its crossover and the grouped path above it, on the same stacked weights, both matching
     the per-token loop; a layer whose experts carry biases keeps packed linears and the grouped path."""
-    from backend import cpu_ops
-    from backend.models.layers import moe as moe_module
+    from backend.ops import cpu_ops
+    from backend.layers import moe as moe_module
 
     needs_cpu_moe_kernel()
     moe = MoEArgs(num_experts=8, top_k=2, intermediate_size=64, sparse_layers=(True,), norm_topk_prob=True,

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.async_engine import AsyncLLMEngine, EngineDeadError
+from backend.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from backend.config import EngineConfig
-from backend.distributed import free_port
+from backend.worker.distributed import free_port
 
 KV_BYTES = 16 << 20
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -56,7 +56,7 @@ def greedy_tokens(model: str, prompts=PROMPTS, params=GREEDY, **parallel) -> lis
 
 def worker_processes() -> list[psutil.Process]:
     me = psutil.Process()
-    return [p for p in me.children(recursive=True) if "backend.worker" in " ".join(p.cmdline())]
+    return [p for p in me.children(recursive=True) if "backend.worker.rank" in " ".join(p.cmdline())]
 
 
 @pytest.fixture(autouse=True)
@@ -179,7 +179,7 @@ def test_triton_serves_tensor_parallel_3_and_a_dead_worker_unloads_the_model(tmp
         expected = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
         assert texts(result)[0] == prompt + expected
         workers = [p for p in psutil.Process(server.process.pid).children(recursive=True)
-                   if "backend.worker" in " ".join(p.cmdline())]
+                   if "backend.worker.rank" in " ".join(p.cmdline())]
         assert len(workers) == 2
         workers[0].kill()
         client = grpcclient.InferenceServerClient(server.grpc_url)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from backend import cpu_ops
+from backend.ops import cpu_ops
 from tools.triton_server import TritonServer, free_port, write_model_repository
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def fake_compiler(path: Path, exit_status: int) -> str:
 def test_a_build_never_fails_the_caller_whatever_the_locale(tmp_path, exit_status):
     """Under an ASCII locale, a build whose compiler prints UTF-8 and fails (or succeeds and leaves
     a library that does not load) leaves the kernels unavailable with a warning saying why."""
-    code = ("import logging; from backend import cpu_ops; logging.basicConfig(level=logging.WARNING); "
+    code = ("import logging; from backend.ops import cpu_ops; logging.basicConfig(level=logging.WARNING); "
             "print('available', cpu_ops.available())")
     env = {**os.environ, **ASCII_PYTHON, "CXX": fake_compiler(tmp_path / "c++", exit_status),
            "TRITONLLM_CPU_OPS_CACHE": str(tmp_path / "kernels")}
@@ -66,7 +66,7 @@ def test_a_level_this_cpu_lacks_is_refused_not_run(tmp_path):
     missing = [level for level in cpu_ops.X86_LEVELS if not cpu_ops.runs_here(level)]
     if not missing or not x86():
         pytest.skip("this CPU runs every x86-64 level" if x86() else "not x86-64")
-    code = "from backend import cpu_ops; print('available', cpu_ops.available())"
+    code = "from backend.ops import cpu_ops; print('available', cpu_ops.available())"
     env = {**os.environ, "TRITONLLM_CPU_ARCH": missing[0], "TRITONLLM_CPU_OPS_CACHE": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                             encoding="utf-8", errors="replace")

@@ -1,4 +1,4 @@
-"""The CPU path's prefill attention (`backend/attention.py`): chunks long enough go through
+"""The CPU path's prefill attention (`backend/ops/attention.py`): chunks long enough go through
 `flash_prefill` (torch's blocked flash attention, tile by tile over the paged cache, parts merged by
 their log-sum-exp), the rest through the C++ kernel or the torch reference. Each against the torch
 references, over a step that mixes decodes, short chunks, fresh long chunks and long chunks after a
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend import attention
-from backend.attention import AttentionMetadata, PrefillSpan, cache_views, flash_prefill
+from backend.ops import attention
+from backend.ops.attention import AttentionMetadata, PrefillSpan, cache_views, flash_prefill
 from backend.kernels import reference
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

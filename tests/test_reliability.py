@@ -27,7 +27,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
 from backend import AsyncLLMEngine, EngineConfig, SamplingParams
-from backend.async_engine import EngineOverloadedError
+from backend.engine.async_engine import EngineOverloadedError
 from openai_frontend import Settings
 from test_openai_frontend import ServedApp
 from test_triton_model import Stream, is_final, make_inputs, stub_processes, texts, thread_count

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from backend import SamplingParams
-from backend.request import Request
-from backend.sampling import Sampler, apply_penalties, apply_top_k_top_p
+from backend.core.request import Request
+from backend.sampling.sampler import Sampler, apply_penalties, apply_top_k_top_p
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 OTHERS = ["The capital of France is", "def fibonacci(n):", "你好，请介绍一下你自己。"]

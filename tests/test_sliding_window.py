@@ -10,7 +10,7 @@ import torch
 
 from backend import LLM, SamplingParams, ops
 from backend.config import EngineConfig, all_layers_window, resolve_limits
-from backend.kv_cache import NULL_BLOCK
+from backend.core.kv_cache import NULL_BLOCK
 
 WINDOW = 16
 BLOCK_SIZE = 8
@@ -143,8 +143,8 @@ def test_block_manager_frees_behind_the_window_and_keeps_prefix_hashes():
     blocks 0 and 1 (positions 0-7) are freed, their entries the null block, which is never handed
     out; the hash chain goes on, a later prompt with the same prefix still hits the freed blocks,
     and freeing the request releases each real block once."""
-    from backend.kv_cache import KVCacheManager
-    from backend.request import Request
+    from backend.core.kv_cache import KVCacheManager
+    from backend.core.request import Request
 
     kv = KVCacheManager(num_blocks=12, block_size=4, sliding_window=6)
     assert kv.num_usable_blocks == 11 and NULL_BLOCK not in kv.free_blocks

@@ -11,7 +11,7 @@ import torch
 
 from backend import LLM, SamplingParams
 from backend.config import EngineConfig
-from backend.spec_decode import ngram_proposal
+from backend.engine.spec_decode import ngram_proposal
 from tests.prompts import LONG_DOC
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}

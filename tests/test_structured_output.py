@@ -200,8 +200,8 @@ def test_compiled_grammars_are_cached(llm):
 
 def test_an_unconstrained_batch_never_loads_the_grammar_library():
     code = ("import sys, torch\n"
-            "from backend import SamplingParams\nfrom backend.request import Request\n"
-            "from backend.sampling import Sampler\n"
+            "from backend import SamplingParams\nfrom backend.core.request import Request\n"
+            "from backend.sampling.sampler import Sampler\n"
             "requests = [Request(str(i), None, [1, 2], SamplingParams(temperature=t)) for i, t in enumerate((0, 1))]\n"
             "Sampler()(torch.randn(2, 64), requests)\n"
             "assert 'xgrammar' not in sys.modules\n")

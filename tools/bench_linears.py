@@ -5,7 +5,7 @@ decoder's worth of calls (each projection once per layer, the LM head once).
 
     python -m tools.bench_linears [--dtype float32] [--rows 8,64,512,2048] [--rounds 9]
 
-Our kernel is whichever `backend.cpu_ops.PackedLinear` picks here (float32: csrc/cpu_linear_f32.cpp
+Our kernel is whichever `backend.ops.cpu_ops.PackedLinear` picks here (float32: csrc/cpu_linear_f32.cpp
 on AVX2 without AVX-512; bfloat16: csrc/cpu_linear.cpp on AVX512-BF16 without AMX); where it picks
 oneDNN too, both columns measure oneDNN.
 """
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from backend import cpu_ops
+from backend.ops import cpu_ops
 
 # SmolLM2-135M's projections (in, out): qkv, o, gate_up, down, and the LM head; 30 layers.
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}

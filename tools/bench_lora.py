@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from backend import LoRARequest
-    from backend.engine import load_tokenizer
-    from backend.model_loader import load_hf_config
+    from backend.engine.engine import load_tokenizer
+    from backend.worker.model_loader import load_hf_config
     from tools.bench.workloads import make_workload
     from tools.prepare_model import prepare_model
 

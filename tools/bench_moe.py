@@ -42,9 +42,9 @@ def layer_timings(dtype: torch.dtype, num_tokens: int, repeats: int) -> dict[str
     grouped path on oneDNN-packed linears ("grouped") and the per-token loop on those ("loop")."""
     import copy
 
-    from backend import cpu_ops
-    from backend.models.layers.moe import MoEArgs, SparseMoE, grouped_experts, per_token_experts
-    from backend.parallel_state import ParallelState
+    from backend.ops import cpu_ops
+    from backend.layers.moe import MoEArgs, SparseMoE, grouped_experts, per_token_experts
+    from backend.worker.parallel_state import ParallelState
 
     torch.manual_seed(0)
     moe = MoEArgs(num_experts=NUM_EXPERTS, top_k=TOP_K, intermediate_size=EXPERT_INTERMEDIATE,

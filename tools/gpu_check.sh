@@ -52,7 +52,7 @@ timeout 300 "$py" - "$out/decode_attention.json" <<'EOF'
 import json, sys
 import torch, triton
 from triton.testing import do_bench
-from backend.attention import cache_views
+from backend.ops.attention import cache_views
 from backend.kernels.paged_attention import _num_sms, choose_num_splits, paged_attention_decode
 from backend.kernels.reference import paged_attention_decode_reference
 

@@ -17,9 +17,9 @@ from backend.config import EngineConfig
 
 
 def run_worker(config: EngineConfig) -> int:
-    from backend import distributed
+    from backend.worker import distributed
     from backend.config import resolve_limits
-    from backend.model_loader import load_hf_config
+    from backend.worker.model_loader import load_hf_config
     from backend.model_paths import resolve_model_path
 
     if config.node_rank == 0:

@@ -11,7 +11,7 @@
 | `quant_matmul.py` | fused dequantize + matmul of AWQ / GPTQ weights |
 | `fused_moe.py` | mixture of experts: tokens aligned by expert into tiles + two grouped GEMMs |
 
-The CPU path imports `reference.py` alone: `backend/ops.py` loads the kernel modules (and Triton,
+The CPU path imports `reference.py` alone: `backend/ops/__init__.py` loads the kernel modules (and Triton,
 through `jit.py`) only when it runs a kernel, on CUDA tensors or, in the tests, on CPU tensors through
 Triton's interpreter.
 """

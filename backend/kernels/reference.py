@@ -1,5 +1,5 @@
 """Torch references for the Triton kernels, with the kernels' signatures. The CPU path runs these
-(through `backend/ops.py`) and the tests hold each kernel to them. No Triton import here.
+(through `backend/ops/__init__.py`) and the tests hold each kernel to them. No Triton import here.
 
 Numerics follow Hugging Face step for step: norms in float32, each elementwise product rounded to
 the activation dtype, so greedy tokens match it exactly in float32.

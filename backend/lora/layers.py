@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from backend import cpu_ops, ops
+from backend.ops import cpu_ops
+
+from backend import ops
 from backend.errors import EngineError, check
 from backend.lora import LoRARequest
 from backend.lora.adapter import Adapter, read_adapter

@@ -2,7 +2,7 @@
 LM head, with the options a family's config mapping picks in `ModelArgs` (norm placement, q/k
 norms, biases, rotary variants, sliding windows, soft-capping, Gemma's and Granite's scalings).
 
-The hot-path ops come from `backend/ops.py` (Triton kernels on CUDA, fused C++ ops or torch on the
+The hot-path ops come from `backend/ops/__init__.py` (Triton kernels on CUDA, fused C++ ops or torch on the
 CPU). Numerics follow Hugging Face step for step (norms in float32, RoPE tables in float32 cast to
 the activation dtype) so greedy tokens match it exactly in float32.
 
@@ -22,15 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from backend import parallel_state
-from backend.attention import AttentionMetadata
-from backend.models.layers.activation import gated_activation
-from backend.models.layers.attention import Attention
-from backend.models.layers.mla import LatentAttention, LatentAttentionArgs
-from backend.models.layers.moe import MoEArgs, SparseMoE, checkpoint_tensors
-from backend.models.layers.norm import RMSNorm
-from backend.models.layers.rotary import rope_tables
-from backend.parallel_state import ParallelState
+from backend.worker import parallel_state
+from backend.ops.attention import AttentionMetadata
+from backend.layers.activation import gated_activation
+from backend.layers.attention import Attention
+from backend.layers.mla import LatentAttention, LatentAttentionArgs
+from backend.layers.moe import MoEArgs, SparseMoE, checkpoint_tensors
+from backend.layers.norm import RMSNorm
+from backend.layers.rotary import rope_tables
+from backend.worker.parallel_state import ParallelState
 
 LAYOUTS = ("pre", "sandwich", "post")
 

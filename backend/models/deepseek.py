@@ -9,8 +9,8 @@ import math
 from typing import Any
 
 from backend.models.decoder import ModelArgs
-from backend.models.layers.mla import LatentAttentionArgs
-from backend.models.layers.moe import MoEArgs, sparse_layers
+from backend.layers.mla import LatentAttentionArgs
+from backend.layers.moe import MoEArgs, sparse_layers
 from backend.models.llama import dense_args
 
 

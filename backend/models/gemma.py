@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from backend.models.decoder import ModelArgs
-from backend.models.layers.activation import activation_name
-from backend.models.layers.rotary import rope_parameters
+from backend.layers.activation import activation_name
+from backend.layers.rotary import rope_parameters
 from backend.models.llama import dense_args, sliding_windows
 
 

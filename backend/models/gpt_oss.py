@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from backend.models.decoder import ModelArgs
-from backend.models.layers.moe import EXPERT_ACTIVATIONS, MoEArgs
+from backend.layers.moe import EXPERT_ACTIVATIONS, MoEArgs
 from backend.models.llama import dense_args
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from backend.models.decoder import ModelArgs
-from backend.models.layers.moe import MoEArgs, sparse_layers
+from backend.layers.moe import MoEArgs, sparse_layers
 from backend.models.llama import dense_args
 
 

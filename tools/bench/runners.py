@@ -59,7 +59,7 @@ def _hf_model(args):
     from transformers import AutoModelForCausalLM
 
     from backend.config import EngineConfig
-    from backend.model_loader import resolve_device, resolve_dtype
+    from backend.worker.model_loader import resolve_device, resolve_dtype
     from backend.model_paths import resolve_model_path
 
     config = EngineConfig(model=args.model, dtype=args.dtype)

@@ -34,16 +34,16 @@ import triton_python_backend_utils as pb_utils
 
 try:
     from backend import AsyncLLMEngine, EngineConfig, RequestOutput
-    from backend.async_engine import EngineDeadError, EngineOverloadedError
+    from backend.engine.async_engine import EngineDeadError, EngineOverloadedError
     from backend.errors import ENGINE_OVERLOADED, MODEL_UNAVAILABLE, EngineError, parse_wire
 except ImportError as error:  # the stub runs an isolated Python: PYTHONPATH does not count
     raise ImportError("tritonllm's `backend` package is not importable by Triton's Python stub; "
                       "install it into the Python that runs tritonserver (pip install -e .)") from error
 
-from backend.beam_search import AsyncBeamSearch, BeamSearchOutput, beam_params, to_request_output
+from backend.engine.beam_search import AsyncBeamSearch, BeamSearchOutput, beam_params, to_request_output
 from backend.errors import EngineError
 from backend.lora import LoRARegistry, LoRARequest, parse_lora_modules
-from backend.metrics import Metric
+from backend.engine.metrics import Metric
 from backend.outputs import coalesce
 import sys
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton_python_backend_utils as pb_utils
 
 from backend import RequestOutputKind, SamplingParams
-from backend.beam_search import pop_beam_options
+from backend.engine.beam_search import pop_beam_options
 from backend.errors import EngineError, check
 from backend.sampling_params import parse_json
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.request import Request
+from backend.core.request import Request
 
 SCORE_ROWS = 256  # rows log-softmaxed at a time: bounds the copy a long prompt chunk makes
 

@@ -90,7 +90,7 @@ def kv_cache_budget(config: EngineConfig, layout: KVCacheLayout, model, args, dt
         # No profiling pass across ranks: hold back a generous share for the activations.
         peak = 64 * step_tokens * args.hidden_size * 4
     else:
-        from backend.cuda_graphs import profile_step_memory
+        from backend.worker.cuda_graphs import profile_step_memory
 
         peak = profile_step_memory(model, args, dtype, device, layout.block_size,
                                    profile_sequence_lengths(step_tokens, max_model_len), config.max_num_seqs)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from backend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates_of, check_fits, step_params
+from backend.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates_of, check_fits, step_params
 from backend.config import EngineConfig
-from backend.engine import LLMEngine
+from backend.engine.engine import LLMEngine
 from backend.errors import EngineError
 from backend.lora import LoRARequest
 from backend.outputs import RequestOutput
@@ -81,7 +81,7 @@ class LLM:
     def beam_search(self, prompts: Prompt | dict | Sequence[Prompt | dict], params: BeamSearchParams,
                     lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: each prompt's `beam_width` best hypotheses, best first, scored as
-        transformers' `generate(num_beams=...)` scores them (backend/beam_search.py). All prompts'
+        transformers' `generate(num_beams=...)` scores them (backend/engine/beam_search.py). All prompts'
         beams run in the same engine steps, one one-token request per beam per step."""
         one = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         items: list = [prompts] if one else list(prompts)

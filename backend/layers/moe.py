@@ -46,10 +46,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend import cpu_ops, ops, parallel_state
+from backend.ops import cpu_ops
+
+from backend import ops
+
+from backend.worker import parallel_state
 from backend.errors import EngineError
-from backend.models.layers.activation import gated_activation
-from backend.parallel_state import ParallelState
+from backend.layers.activation import gated_activation
+from backend.worker.parallel_state import ParallelState
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 # The C++ kernel runs while the (token, expert) pairs are at most this many per expert on average

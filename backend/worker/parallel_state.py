@@ -3,7 +3,7 @@ collectives the layers and the runner call (all_reduce, gather_last_dim, broadca
 
 Global rank r is pipeline stage r // tp and tensor rank r % tp. `init` joins torch.distributed's TCP
 rendezvous (master_addr:master_port; NCCL on CUDA, gloo on the CPU); starting the processes that
-join it is `backend/distributed.py`'s job.
+join it is `backend/worker/distributed.py`'s job.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from backend.outputs import PromptLogprobs, RequestMetrics, SampleLogprobs
 from backend.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from backend.structured_output import RequestGrammar
+    from backend.sampling.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):

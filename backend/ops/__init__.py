@@ -2,7 +2,7 @@
 `backend/kernels/` for CUDA tensors, their torch references on the CPU. The model calls these
 functions and never asks which device it is on.
 
-On the CPU, the fused C++ ops of `backend/cpu_ops.py` run where they take the tensors (float32 or
+On the CPU, the fused C++ ops of `backend/ops/cpu_ops.py` run where they take the tensors (float32 or
 bfloat16, whole vectors), the torch references elsewhere.
 
 `triton_kernels()` sends CPU tensors through the Triton kernels too (run by Triton's interpreter),
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from backend import attention, cpu_ops
-from backend.attention import AttentionMetadata
+from backend.ops import attention, cpu_ops
+from backend.ops.attention import AttentionMetadata
 from backend.kernels import reference
 
 _kernels_on_cpu = False

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.attention import AttentionMetadata, PrefillSpan
+from backend.ops.attention import AttentionMetadata, PrefillSpan
 
 
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:

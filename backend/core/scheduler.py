@@ -19,8 +19,8 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-from backend.kv_cache import KVCacheManager
-from backend.request import Request, RequestStatus
+from backend.core.kv_cache import KVCacheManager
+from backend.core.request import Request, RequestStatus
 
 # How many times a waiting request that does not fit may be passed over by later ones.
 MAX_HEAD_OF_LINE_SKIPS = 32

@@ -5,7 +5,7 @@ A step arrives as (request, number of new tokens) pairs. The runner lays the tok
 model and returns float32 logits for each request whose step reaches its last known token (and for
 each speculative draft it verifies).
 
-With tensor/pipeline parallelism the runner of rank 0 starts the other ranks (`backend/worker.py`),
+With tensor/pipeline parallelism the runner of rank 0 starts the other ranks (`backend/worker/rank.py`),
 which build the same runner for their shard and wait in `serve_plans`. Each step rank 0 splits the
 batch into one micro-batch per pipeline stage (so stages overlap), broadcasts their flat tensors,
 and every rank runs its part: hidden states go stage to stage, logits come back to rank 0.
@@ -22,16 +22,22 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from backend import distributed, kv_memory, parallel_state, prompt_logprobs, quantization
-from backend.attention import AttentionMetadata, PrefillSpan
+from backend.worker import distributed, parallel_state
+
+from backend.core import kv_memory
+
+from backend.sampling import prompt_logprobs
+
+from backend import quantization
+from backend.ops.attention import AttentionMetadata, PrefillSpan
 from backend.config import EngineConfig
 from backend.errors import check
-from backend.kv_memory import KVCacheLayout
+from backend.core.kv_memory import KVCacheLayout
 from backend.lora.layers import LoRABatch, LoRAModel
-from backend.model_loader import load_model, model_args, resolve_device, resolve_dtype
+from backend.worker.model_loader import load_model, model_args, resolve_device, resolve_dtype
 from backend.models import check_parallel
-from backend.prompt_logprobs import PromptScores
-from backend.request import Request
+from backend.sampling.prompt_logprobs import PromptScores
+from backend.core.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +129,7 @@ class ModelRunner:
         """Decode steps as CUDA graphs: one GPU only (the ranks of a parallel engine run eagerly)."""
         if self.device.type != "cuda" or self.parallel.world_size > 1 or self.lora is not None:
             return None  # (LoRA steps run eagerly: a graph would freeze one step's adapter segments)
-        from backend.cuda_graphs import CudaGraphs, cuda_graph_batch_sizes  # GPU only: never imported on the CPU
+        from backend.worker.cuda_graphs import CudaGraphs, cuda_graph_batch_sizes  # GPU only: never imported on the CPU
 
         return CudaGraphs(self.model, self.kv_caches, cuda_graph_batch_sizes(self.config.max_num_seqs),
                           -(-self.max_model_len // self.block_size))

@@ -1,7 +1,7 @@
 """A tensor/pipeline-parallel rank other than 0: it loads its shard of the model and of the KV
 cache, then runs every step plan rank 0 broadcasts until told to stop.
 
-Started by `backend.distributed.WorkerProcesses` as `python -m backend.worker --rank R`, with the
+Started by `backend.worker.distributed.WorkerProcesses` as `python -m backend.worker.rank --rank R`, with the
 engine's configuration on stdin. It exits when its starter does, when rank 0 says stop, and when a
 collective fails (a peer died): never lingering as an orphan.
 """
@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # after the watchdog: importing torch takes seconds
 
     from backend.config import EngineConfig
-    from backend.model_loader import load_hf_config
-    from backend.model_runner import ModelRunner
+    from backend.worker.model_loader import load_hf_config
+    from backend.worker.model_runner import ModelRunner
 
     spec = json.loads(sys.stdin.read())
     config = EngineConfig.from_dict(spec["config"])

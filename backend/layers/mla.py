@@ -34,11 +34,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from backend import ops, parallel_state
-from backend.attention import AttentionMetadata
-from backend.models.layers.norm import RMSNorm
-from backend.models.layers.rotary import apply_rotary
-from backend.parallel_state import ParallelState
+from backend import ops
+
+from backend.worker import parallel_state
+from backend.ops.attention import AttentionMetadata
+from backend.layers.norm import RMSNorm
+from backend.layers.rotary import apply_rotary
+from backend.worker.parallel_state import ParallelState
 
 NORM_EPS = 1e-6  # Hugging Face's q_a_layernorm and kv_a_layernorm keep the default eps, not rms_norm_eps
 

@@ -10,12 +10,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from backend import cpu_ops, quantization
+from backend.ops import cpu_ops
+
+from backend import quantization
 from backend.config import EngineConfig
 from backend.errors import EngineError
 from backend import models
 from backend.models import ModelArgs
-from backend.parallel_state import ParallelState
+from backend.worker.parallel_state import ParallelState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

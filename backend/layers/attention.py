@@ -13,11 +13,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend import ops, parallel_state
-from backend.attention import AttentionMetadata
-from backend.models.layers.norm import RMSNorm
-from backend.models.layers.rotary import apply_rotary
-from backend.parallel_state import ParallelState
+from backend import ops
+
+from backend.worker import parallel_state
+from backend.ops.attention import AttentionMetadata
+from backend.layers.norm import RMSNorm
+from backend.layers.rotary import apply_rotary
+from backend.worker.parallel_state import ParallelState
 
 
 class Attention(nn.Module):

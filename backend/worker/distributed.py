@@ -1,10 +1,10 @@
 """Tensor and pipeline parallelism: the worker processes (the parallel state the models use is
-`backend/parallel_state.py`).
+`backend/worker/parallel_state.py`).
 
 Global rank r is pipeline stage r // tp and tensor rank r % tp. Rank 0 lives in the engine (inside
 the Triton model instance or the offline `LLM`) and is the only one that schedules: each step it
 broadcasts the step's flat tensors, every rank runs its shard, and rank 0 gets the logits. Rank 0
-starts the other ranks of its host as fresh interpreters (`python -m backend.worker`, never a fork);
+starts the other ranks of its host as fresh interpreters (`python -m backend.worker.rank`, never a fork);
 other hosts start theirs with `tritonllm worker`. All meet at torch.distributed's TCP rendezvous
 (master_addr:master_port): NCCL on CUDA, gloo on the CPU.
 """
@@ -68,12 +68,12 @@ class WorkerProcesses:
         self.failure: str | None = None
         self._stopping = False
         spec = json.dumps({"config": config.to_dict(), "model_path": model_path, "max_model_len": max_model_len})
-        root = str(Path(__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         threads = max(1, (os.cpu_count() or 1) // (config.tensor_parallel_size * config.pipeline_parallel_size
                                                   // config.nnodes))
         env.setdefault("OMP_NUM_THREADS", str(threads))
-        self.processes = {rank: subprocess.Popen([python_executable(), "-m", "backend.worker", "--rank", str(rank),
+        self.processes = {rank: subprocess.Popen([python_executable(), "-m", "backend.worker.rank", "--rank", str(rank),
                                                   "--parent-pid", str(os.getpid())],
                                                  stdin=subprocess.PIPE, env=env, cwd=root)
                           for rank in ranks}

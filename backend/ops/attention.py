@@ -2,21 +2,21 @@
 new keys and values into their cache slots, then attend each query over its sequence's blocks.
 
 The step's tokens come flat: first one token per decoding sequence, then each prefill chunk in
-turn. The C++ kernel of `backend/cpu_ops.py` attends the decodes and short chunks in one call,
+turn. The C++ kernel of `backend/ops/cpu_ops.py` attends the decodes and short chunks in one call,
 reading the blocks in place a token at a time. Prefill chunks of FLASH_MIN_QUERY_TOKENS or more go
 through `flash_prefill`: torch's blocked CPU flash attention over the chunk's own new keys, then over
 its cached prefix a tile of blocks at a time, the parts merged by their log-sum-exp (no [Tq, L] score
 matrix, no copy of the whole context). Where the C++ kernel does not apply (an fp8 cache, other head
 sizes, sinks, a one-part cache), decodes run as one batched, masked attention over gathered blocks
 and every prefill chunk through `flash_prefill`, or, under a sliding window that hides part of it or
-a soft cap, through the torch reference. On CUDA, `backend/ops.py` runs the Triton kernels on the
+a soft cap, through the torch reference. On CUDA, `backend/ops/__init__.py` runs the Triton kernels on the
 same metadata instead.
 
 The KV cache of a layer is [2, KVH, num_blocks, block_size, D]: each KV head's blocks together, so
 gathering a sequence's blocks yields [KVH, L, D] slabs that feed batched matmuls without a copy.
 The kernels see it through `cache_views` as [num_blocks, block_size, KVH, D] with strides. A cache
 of one part, [1, 1, num_blocks, block_size, D] (multi-head latent attention: one latent per token,
-`backend/models/layers/mla.py`), is read as both the keys and the values.
+`backend/layers/mla.py`), is read as both the keys and the values.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend import cpu_ops
+from backend.ops import cpu_ops
 from backend.kernels.reference import causal_attention_reference, gather_blocks, paged_attention_decode_reference
 
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from backend import cpu_ops
-from backend.request import Request
-from backend.structured_output import apply_grammar_bitmask
+from backend.ops import cpu_ops
+from backend.core.request import Request
+from backend.sampling.structured_output import apply_grammar_bitmask
 
 
 @dataclass

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
     import xgrammar
 
-    from backend.request import Request
+    from backend.core.request import Request
 
 JSON_OBJECT_SCHEMA = {"type": "object"}
 # JSON may put whitespace between any two tokens, and a small model, once it starts, may never stop

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from backend.config import SpeculativeConfig
-from backend.kv_cache import KVCacheManager
-from backend.request import Request
-from backend.sampling import draw_uniform
+from backend.core.kv_cache import KVCacheManager
+from backend.core.request import Request
+from backend.sampling.sampler import draw_uniform
 from backend.sampling_params import SamplingParams
 
 def ngram_proposal(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -66,8 +66,8 @@ class DraftModelProposer:
     accepted, catches up on the rest in one chunk and decodes k greedy tokens."""
 
     def __init__(self, config: SpeculativeConfig, engine_config, target, max_model_len: int) -> None:
-        from backend.model_loader import load_hf_config, model_args
-        from backend.model_runner import ModelRunner  # the draft model's runner
+        from backend.worker.model_loader import load_hf_config, model_args
+        from backend.worker.model_runner import ModelRunner  # the draft model's runner
 
         path = os.path.expanduser(config.model)
         hf_config = load_hf_config(path)

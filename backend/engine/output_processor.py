@@ -16,12 +16,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from backend.detokenizer import IncrementalDetokenizer
+from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.errors import EngineError
-from backend.metrics import EngineMetrics
+from backend.engine.metrics import EngineMetrics
 from backend.outputs import CompletionOutput, Logprob, RequestOutput
-from backend.prompt_logprobs import PromptScores
-from backend.request import Request
+from backend.sampling.prompt_logprobs import PromptScores
+from backend.core.request import Request
 from backend.sampling_params import RequestOutputKind
 
 

@@ -15,22 +15,22 @@ from concurrent import futures
 from pathlib import Path
 
 from backend.config import EngineConfig, generation_defaults, resolve_limits
-from backend.kv_cache import KVCacheManager
+from backend.core.kv_cache import KVCacheManager
 from backend.lora import LoRARequest
-from backend.metrics import EngineMetrics
-from backend.model_loader import load_hf_config
+from backend.engine.metrics import EngineMetrics
+from backend.worker.model_loader import load_hf_config
 from backend.model_paths import resolve_model_path
-from backend.model_runner import ModelRunner
-from backend.output_processor import ChildState, OutputProcessor, ParentRequest, SampledTokens, make_output
-from backend.detokenizer import IncrementalDetokenizer
+from backend.worker.model_runner import ModelRunner
+from backend.engine.output_processor import ChildState, OutputProcessor, ParentRequest, SampledTokens, make_output
+from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.errors import CONTEXT_LENGTH_EXCEEDED, KV_CACHE_TOO_SMALL, EngineError, check
 from backend.outputs import RequestOutput
-from backend.request import Request, RequestStatus
-from backend.sampling import Sampler
+from backend.core.request import Request, RequestStatus
+from backend.sampling.sampler import Sampler
 from backend.sampling_params import SamplingParams
-from backend.scheduler import Scheduler, SchedulerOutput
-from backend.spec_decode import SpeculativeDecoder, accepted_tokens
-from backend.structured_output import GrammarCompiler, RequestGrammar
+from backend.core.scheduler import Scheduler, SchedulerOutput
+from backend.engine.spec_decode import SpeculativeDecoder, accepted_tokens
+from backend.sampling.structured_output import GrammarCompiler, RequestGrammar
 
 logger = logging.getLogger(__name__)
 

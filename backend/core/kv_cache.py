@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from backend.request import Request
+from backend.core.request import Request
 
 NULL_BLOCK = 0  # with a sliding window: where block-table entries behind every window point
 

@@ -4,7 +4,7 @@ library, cached per source, compiler flags and CPU, and called through ctypes on
 and bfloat16 linear layers with their weights prepacked, for that kernel or for oneDNN.
 
 `available()` is False when there is no compiler, the build fails (logged, with what to install),
-or TRITONLLM_CPU_KERNELS=0; `backend/ops.py` then runs the torch references instead, with the same
+or TRITONLLM_CPU_KERNELS=0; `backend/ops/__init__.py` then runs the torch references instead, with the same
 results. float32 and bfloat16 rows of multiples of 16 floats only (other shapes and types take the
 references); the sampler takes float32 logits of any width. Also the CPU KV cache's allocation on
 huge pages.
@@ -34,7 +34,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
+CSRC = Path(__file__).parents[1] / "csrc"
 SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_linear_f32.cpp", CSRC / "cpu_lora.cpp",
            CSRC / "cpu_moe.cpp"]
 HEADERS = [CSRC / "vectors.h"]
@@ -254,7 +254,7 @@ def moe_kernel_available() -> bool:
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                 ids: torch.Tensor) -> torch.Tensor:
-    """The MoE layer's grouped_experts (backend/models/layers/moe.py) in one C++ call
+    """The MoE layer's grouped_experts (backend/layers/moe.py) in one C++ call
     (csrc/cpu_moe.cpp), bfloat16: SiLU-gated experts stacked as w13 [E, 2I, H] (gate rows, then up
     rows) and w2 [E, H, I], both contiguous; weights and ids [T, k]."""
     x = x.contiguous()
@@ -301,7 +301,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """float32 logits [rows, vocab] -> int64 token ids [rows]: argmax where temperature is 0, else
-    the inverse-CDF draw of softmax(logits / T) at `uniforms` (as backend.sampling.inverse_cdf)."""
+    the inverse-CDF draw of softmax(logits / T) at `uniforms` (as backend.sampling.sampler.inverse_cdf)."""
     rows, vocab = logits.shape
     temperatures = temperatures.to(torch.float32).contiguous()
     uniforms = uniforms.to(torch.float32).contiguous()

@@ -25,7 +25,7 @@ from collections import deque
 from typing import AsyncIterator, Callable
 
 from backend.config import EngineConfig
-from backend.engine import LLMEngine
+from backend.engine.engine import LLMEngine
 from backend.errors import ENGINE_OVERLOADED, EngineError, check, parse_wire
 from backend.outputs import RequestOutput
 from backend.sampling_params import RequestOutputKind, SamplingParams
