@@ -79,14 +79,16 @@ class EngineConfig:
                 "default: the checkpoint's quantization_config (gguf for a .gguf model)"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "auto (the activation dtype) or fp8 (float8 E4M3, scale 1.0; CPU only for now)"})
-    speculative_config: str | dict | None = field(default=None, metadata={
+    # Given as JSON text or a dict; a SpeculativeConfig (or None) once constructed.
+    speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata={
         "help": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                 "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} or {\"method\": \"draft_model\", "
                 "\"model\": PATH, \"num_speculative_tokens\": 4}"})
     enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters (peft format) on the base model"})
     max_loras: int = field(default=1, metadata={"help": "LoRA adapters held in the engine at once (one step mixes at most this many)"})
     max_lora_rank: int = field(default=16, metadata={"help": "the largest LoRA rank an adapter may have"})
-    lora_modules: dict | list | str | None = field(default=None, metadata={
+    # Given in any form parse_lora_modules reads; {name: absolute path} (or None) once constructed.
+    lora_modules: dict[str, str] | list | str | None = field(default=None, metadata={
         "help": "adapters served by name: name=path [name=path ...] (model.json: {\"name\": \"path\"})",
         "nargs": "+"})
     skip_tokenizer_init: bool = field(default=False, metadata={"help": "token ids in, token ids out"})
@@ -138,8 +140,8 @@ class EngineConfig:
         check_field(not self.enable_lora or world_size == 1, "enable_lora",
                     "runs without tensor/pipeline parallelism for now")
         if self.speculative_config is not None:
-            speculative = SpeculativeConfig.parse(self.speculative_config)  # ValueError before anything starts
-            check_field(speculative.method != "draft_model" or world_size == 1, "speculative_config",
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # before anything starts
+            check_field(self.speculative_config.method != "draft_model" or world_size == 1, "speculative_config",
                         "method draft_model runs without tensor/pipeline parallelism; use method ngram there")
 
     @classmethod
@@ -154,6 +156,7 @@ class EngineConfig:
         return cls(**{name: cast_value(name, str(known[name].type), value) for name, value in values.items()})
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values (the sub-configs as dicts) that `from_dict` reads back into this config."""
         return dataclasses.asdict(self)
 
 
@@ -229,7 +232,8 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`speculative_config` in vLLM's shape, parsed from its JSON text or dict."""
+    """`speculative_config` in vLLM's shape, parsed once from its JSON text or dict (EngineConfig holds
+    the result): defaults filled in, so that every consumer reads the fields as they are."""
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int | None = None  # ngram: the longest suffix looked up
@@ -237,7 +241,10 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: its Hugging Face folder
 
     @classmethod
-    def parse(cls, value: str | dict) -> "SpeculativeConfig":
+    def parse(cls, value: "SpeculativeConfig | str | dict") -> "SpeculativeConfig":
+        if isinstance(value, cls):  # parsed already (dataclasses.replace re-runs EngineConfig's checks)
+            return value
+
         def require(ok: bool, message: str) -> None:
             check(ok, "speculative_config", message)
 

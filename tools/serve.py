@@ -118,7 +118,8 @@ def engine_arguments(args: argparse.Namespace) -> dict:
     given = {f.name: getattr(args, f.name) for f in fields(EngineConfig)
              if getattr(args, f.name, None) is not None}
     config = EngineConfig.from_dict(given)  # ValueError naming the field, before Triton starts
-    values = {name: getattr(config, name) for name in given}  # cast: "1024" -> 1024
+    parsed = config.to_dict()  # cast ("1024" -> 1024) and parsed, as JSON values for model.json
+    values = {name: parsed[name] for name in given}
     if config.model is None:
         from tools.prepare_model import prepare_model
         values["model"] = str(prepare_model())

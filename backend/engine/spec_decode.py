@@ -133,7 +133,7 @@ class SpeculativeDecoder:
     """The engine's side: propose before scheduling, then keep what verification accepted."""
 
     def __init__(self, engine_config, target, kv_cache: KVCacheManager, metrics, max_model_len: int) -> None:
-        config = SpeculativeConfig.parse(engine_config.speculative_config)
+        config: SpeculativeConfig = engine_config.speculative_config  # parsed by EngineConfig
         self.num_speculative_tokens = config.num_speculative_tokens
         self.kv_cache = kv_cache
         self.metrics = metrics
