@@ -7,7 +7,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from fastapi import FastAPI, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from backend.lora import parse_lora_modules
+from backend.lora import RUNTIME_LORA_ENV, parse_lora_modules, runtime_lora_updating
 
 from openai_frontend.errors import OpenAIError, invalid, model_not_found, validation_error
 from openai_frontend.generation import CLIENT_GONE, ClientDisconnected
@@ -27,7 +26,6 @@ from openai_frontend.replicas import DNS_PREFIX, ROUTING, Replicas
 from openai_frontend.routers import chat, completions, embeddings, lora, models, responses, system, tokenize
 
 EMBEDDINGS_MODEL_NAME = "all-MiniLM-L6-v2"
-RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's opt-in, honoured as is
 DEFAULT_TRITON_URL = "127.0.0.1:8001"
 # Open without the API key: probes and scrapers. Everything else (every /v1 route) needs it.
 PUBLIC_PATHS = frozenset({"/health", "/health/ready", "/health/live", "/version", "/metrics", "/openapi.json",
@@ -59,13 +57,18 @@ class Settings:
     tool_call_parser: str = "hermes"  # the model's tool-call format (openai_frontend/tool_parsers.py)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools): calls read from free text
     reasoning_parser: str | None = None  # the model's thinking format (openai_frontend/reasoning_parsers.py)
-    lora_modules: list[str] = field(default_factory=list)  # `name=path`: adapters served as model ids
+    # Adapters served as model ids: `name=path` pairs (the CLI's) or any form EngineConfig's lora_modules
+    # takes, {name: absolute path} once constructed (the engine's parser: one reading of the knob).
+    lora_modules: dict[str, str] = field(default_factory=dict)
     # vLLM's runtime /v1/load_lora_adapter and /v1/unload_lora_adapter (they load files: API key required)
     allow_runtime_lora_updating: bool = False
     request_timeout: float | None = None  # seconds for a whole request (Triton cancels it past them); none
     header_timeout: float = 10.0  # seconds a client has to send a request's headers
     body_timeout: float = 30.0  # seconds a client has to send a request's body, once its headers are in
     prompt_as_text: bool = False  # the llm model is Triton's own vLLM backend: text prompts, its inputs only
+
+    def __post_init__(self) -> None:
+        self.lora_modules = parse_lora_modules(self.lora_modules)  # EngineError (a ValueError) naming lora_modules
 
     def resolved(self) -> "Settings":
         model = self.model
@@ -83,9 +86,7 @@ class Settings:
         for url in self.triton_urls():
             if not url.removeprefix(DNS_PREFIX).rpartition(":")[2].isdigit():
                 raise ValueError(f"triton_url: `{url}` needs a port (host:port or dns:///name:port)")
-        parse_lora_modules(self.lora_modules)  # EngineError (a ValueError) naming lora_modules
-        allow_updates = self.allow_runtime_lora_updating or \
-            os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
+        allow_updates = self.allow_runtime_lora_updating or runtime_lora_updating()
         if allow_updates and not self.api_key:
             raise ValueError(f"allow_runtime_lora_updating ({RUNTIME_LORA_ENV}): the endpoints load files, "
                              "so they need an API key (--api-key)")
@@ -112,8 +113,7 @@ class Frontend:
         self.started = int(time.time())
         # LoRA adapters served as model ids: name -> (path, registered at runtime). The Triton model
         # knows the static ones by name; a runtime one travels with its path.
-        self.loras: dict[str, tuple[str, bool]] = {
-            name: (path, False) for name, path in parse_lora_modules(settings.lora_modules).items()}
+        self.loras: dict[str, tuple[str, bool]] = {name: (path, False) for name, path in settings.lora_modules.items()}
 
     def check_llm_model(self, name: str) -> dict[str, str]:
         """The sampling parameters that pick the model: {} for the base, the adapter's for a LoRA."""

@@ -19,6 +19,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from backend.lora import RUNTIME_LORA_ENV
+
 from openai_frontend.app import Settings, build_app
 from openai_frontend.replicas import ROUTING
 from openai_frontend.reasoning_parsers import PARSERS as REASONING_PARSERS
@@ -51,7 +53,7 @@ HELP = {
     "lora_modules": "LoRA adapters to serve, each as a model id: name=path [name=path ...] (the Tritons must "
                     "serve them too: tritonllm serve --lora-modules passes them to both)",
     "allow_runtime_lora_updating": "add vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs "
-                                   "--api-key; also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
+                                   f"--api-key; also on with {RUNTIME_LORA_ENV}=true)",
     "tool_call_parser": "how tool calls are written in the model's output: hermes (<tool_call>{...}</tool_call>), "
                         "json, llama3_json, mistral or pythonic",
     "enable_auto_tool_choice": "tool_choice auto (the default when a request has tools): the model may call "
@@ -146,7 +148,7 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, str]:
         if f.type.startswith("bool"):
             parser.add_argument(flag, action="store_true", help=HELP[f.name])
             continue
-        if f.type.startswith("list"):  # repeated, or several after one flag (vLLM's --lora-modules a=x b=y)
+        if f.type.startswith(("list", "dict")):  # repeated, or several after one (vLLM's --lora-modules a=x b=y)
             parser.add_argument(flag, action="extend", nargs="+", default=[], help=HELP[f.name])
             continue
         kind = int if f.type.startswith("int") else float if f.type.startswith("float") else str
@@ -157,7 +159,11 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, str]:
                                      "reasoning_parser": sorted(REASONING_PARSERS)}.get(f.name))
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     args = parser.parse_args(argv)
-    return Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)}), args.log_level
+    try:
+        settings = Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)})
+    except ValueError as error:  # lora_modules, read as Settings is built
+        parser.error(str(error))
+    return settings, args.log_level
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,8 @@
 
 - `LoRARequest(name, int_id, path)` names an adapter for a request (vLLM's offline API).
 - `parse_lora_modules` reads the `lora_modules` knob (`name=path` pairs, a dict, vLLM's JSON form).
-- `LoRARegistry` maps the names a server knows to LoRARequests (static ones and runtime ones).
+- `LoRARegistry` maps the names a server knows to LoRARequests (static ones and runtime ones);
+  `runtime_lora_updating()` says whether vLLM's RUNTIME_LORA_ENV allows adding them by path.
 - `backend/lora/adapter.py` reads and checks a peft adapter folder; `backend/lora/layers.py`
   wraps the model's projections and keeps `max_loras` adapters in slots (an LRU).
 
@@ -18,6 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from backend.errors import NOT_FOUND, EngineError, check
+
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's opt-in, honoured as is
+
+
+def runtime_lora_updating() -> bool:
+    """Whether RUNTIME_LORA_ENV allows loading adapters by path at runtime (the Triton model and the
+    OpenAI frontend read it alike)."""
+    return os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
 
 
 @dataclass(frozen=True)
@@ -124,4 +133,4 @@ class LoRARegistry:
         return list(self.adapters)
 
 
-__all__ = ["LoRARequest", "LoRARegistry", "parse_lora_modules"]
+__all__ = ["RUNTIME_LORA_ENV", "LoRARequest", "LoRARegistry", "parse_lora_modules", "runtime_lora_updating"]

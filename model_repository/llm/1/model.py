@@ -42,7 +42,7 @@ except ImportError as error:  # the stub runs an isolated Python: PYTHONPATH doe
 
 from backend.engine.beam_search import AsyncBeamSearch, BeamSearchOutput, beam_params, to_request_output
 from backend.errors import EngineError
-from backend.lora import LoRARegistry, LoRARequest, parse_lora_modules
+from backend.lora import RUNTIME_LORA_ENV, LoRARegistry, LoRARequest, parse_lora_modules, runtime_lora_updating
 from backend.engine.metrics import Metric
 from backend.outputs import coalesce
 import sys
@@ -63,7 +63,6 @@ METRICS_POLL_S = 0.5
 STUB_EXIT_DELAY_S = 2.0  # after an engine failure that the model cannot unload itself from
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 MULTI_LORA_FILE = "multi_lora.json"  # {"name": "path"} beside model.json, as Triton's vLLM backend reads it
-RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 COALESCED_METRIC = "tritonllm:stream_outputs_coalesced"  # exported with `_total`, as counters are
 
 
@@ -82,10 +81,6 @@ class Job:
     cancelled: bool = False
     unloading: bool = False
     done: bool = False
-
-
-def runtime_lora_updating() -> bool:
-    return os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
 
 
 def lora_registry(config: EngineConfig, model_dir: str) -> LoRARegistry | None:
