@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from backend.lora import RUNTIME_LORA_ENV, parse_lora_modules, runtime_lora_updating
+from backend.model_paths import EMBEDDINGS_MODEL_NAME, prepared_default_model
 
 from openai_frontend.errors import OpenAIError, invalid, model_not_found, validation_error
 from openai_frontend.generation import CLIENT_GONE, ClientDisconnected
@@ -25,7 +26,6 @@ from openai_frontend.prompts import PromptBuilder
 from openai_frontend.replicas import DNS_PREFIX, ROUTING, Replicas
 from openai_frontend.routers import chat, completions, embeddings, lora, models, responses, system, tokenize
 
-EMBEDDINGS_MODEL_NAME = "all-MiniLM-L6-v2"
 DEFAULT_TRITON_URL = "127.0.0.1:8001"
 # Open without the API key: probes and scrapers. Everything else (every /v1 route) needs it.
 PUBLIC_PATHS = frozenset({"/health", "/health/ready", "/health/live", "/version", "/metrics", "/openapi.json",
@@ -73,7 +73,6 @@ class Settings:
     def resolved(self) -> "Settings":
         model = self.model
         if model is None:
-            from backend.model_paths import prepared_default_model
             model = str(prepared_default_model())
         model = str(Path(model).expanduser())
         if self.routing not in ROUTING:
