@@ -40,7 +40,8 @@ class EngineConfig:
         "help": "auto: the model's generation_config.json sets the sampling defaults (temperature, "
                 "top_p, top_k, min_p, repetition_penalty, max_tokens) of requests that omit them; "
                 "vllm: vLLM's defaults; or a folder holding a generation_config.json"})
-    override_generation_config: str | dict | None = field(default=None, metadata={
+    # Given as JSON text or a dict; a dict (or None) once constructed.
+    override_generation_config: dict | str | None = field(default=None, metadata={
         "help": "JSON object of sampling defaults laid over generation_config's, e.g. {\"temperature\": 0.5}"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder; default: the model's"})
     served_model_name: str | None = field(default=None, metadata={"help": "name reported to clients"})
@@ -221,7 +222,7 @@ def generation_defaults(config: EngineConfig, model_path: str) -> dict[str, Any]
             defaults = {GENERATION_DEFAULT_KEYS[k]: v for k, v in values.items()
                         if k in GENERATION_DEFAULT_KEYS and v is not None}
     overrides = config.override_generation_config or {}
-    assert isinstance(overrides, dict)  # parsed from JSON text in __post_init__
+    assert isinstance(overrides, dict)  # parsed in __post_init__
     for key, value in overrides.items():
         defaults[GENERATION_DEFAULT_KEYS[key]] = value
     return defaults
