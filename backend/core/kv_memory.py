@@ -113,11 +113,10 @@ def resident_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     pages (transparent huge pages in "madvise" mode need the ask before the first touch; a shared
     mapping, Python's default, is shmem, which gets them only where `shmem_enabled` allows, mostly
     "never"): attention reads small blocks scattered over hundreds of MB, and with 4 KiB pages
-    nearly each one misses the TLB (random block tables, 64 decodes of 192 positions: 1.3-1.5 ->
-    1.2-1.3 ms a layer). Then one thread writes a byte per page, which the kernel fills with zeros
-    (~0.07 s a GiB on memory the host has used before, ~1.2 s on a fresh VM's). Left to the
-    steps, first touches land in the attention kernels' parallel loops, whose threads fault and wait
-    on each other: the 128-in/128-out bench's prefill ran 14-45% slower on a fresh cache. So the
+    nearly each one misses the TLB. Then one thread writes a byte per page, which the kernel fills
+    with zeros. Left to the steps, first touches land in the attention kernels' parallel loops,
+    whose threads fault and wait on each other (docs/benchmarks.md, "Measured reasons behind code
+    choices", has what each costs). So the
     cache is committed at startup, as vLLM's is: the memory a user sized is taken when the engine
     starts, and a host without it fails then, not under traffic."""
     num_bytes = math.prod(shape) * (torch.finfo(dtype).bits // 8)

@@ -166,8 +166,8 @@ class AsyncLLMEngine:
     # -- the engine thread ---------------------------------------------------------------------
     def _build_and_run(self, config: EngineConfig) -> None:
         """Load the model on this thread, the one that steps it: one OpenMP thread team in the
-        process (see LLMEngine._warn_thread; a model loaded by the caller's thread measured 20%
-        slower decode steps)."""
+        process (see LLMEngine._warn_thread: a model loaded by the caller's thread makes slower
+        decode steps)."""
         try:
             self.engine = LLMEngine(config)
             self.engine.on_worker_failure(self._worker_died)

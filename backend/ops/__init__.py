@@ -90,7 +90,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def linear_silu_and_mul(gate_up: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """silu_and_mul(gate_up(x)), bit for bit, in one pass where the linear applies it as it writes
-    (a CPU PackedLinear packed gated: the offline bench in bfloat16, three paired runs, 1-2% faster)."""
+    (a CPU PackedLinear packed gated; docs/benchmarks.md, "Measured reasons behind code choices")."""
     if isinstance(gate_up, cpu_ops.PackedLinear) and gate_up.gated:
         return gate_up.silu_and_mul(x)
     return silu_and_mul(gate_up(x))

@@ -31,10 +31,9 @@ from backend.kernels.reference import causal_attention_reference, gather_blocks,
 
 # Prefill chunks of this many query tokens or more run on torch's blocked flash attention instead of
 # the C++ kernel, which reads every key once per query token and scores it with vector dot products
-# (fine for decodes and short chunks). One layer alone, the flash op wins from about 64 query tokens
-# up; in whole steps (one op call per chunk and the pieces' concatenation on top) the 128/128
-# bench's prefill ran 5% slower on it, 160-token prompts even, 256 5-9% faster, 1,024 1.8x:
-# docs/benchmarks.md, long prompts.
+# (fine for decodes and short chunks). One layer alone the flash op wins at fewer tokens, but whole
+# steps add a call per chunk and the pieces' concatenation: where they break even was measured
+# (docs/benchmarks.md, long prompts, and "Measured reasons behind code choices").
 FLASH_MIN_QUERY_TOKENS = 160
 # Positions of a chunk's cached prefix gathered and attended at a time: a bound on the copy, large
 # enough that a context of up to 8k positions takes one tile (each tile adds a pass to merge it).
