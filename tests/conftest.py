@@ -1,12 +1,14 @@
-"""Shared fixtures: the prepared SmolLM2, one float32 engine reused across tests, and Hugging Face
-transformers on the same weights as the reference. And the tiers: every test is marked `unit`,
-`engine` or `serving` here, from the fixtures it uses and what its body starts (README, "Tests")."""
+"""Shared fixtures: the prepared SmolLM2, one float32 engine reused across tests, Hugging Face
+transformers on the same weights as the reference, and `tritonllm serve` on it with an OpenAI client.
+Shared helpers are in tests/utils/. And the tiers: every test is marked `unit`, `kernels`, `engine`
+or `serving` here, from the fixtures it uses and what its body starts (README, "Tests")."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +23,9 @@ if not torch.cuda.is_available():
 # `engine` runs a model (the prepared SmolLM2 or a tiny random one), `kernels` checks a Triton kernel
 # (through the interpreter on a CPU) or a C++ op against its torch reference, `unit` is the rest.
 SERVING_FIXTURES = {"server", "serve", "triton", "frontend", "tight_triton", "tight_frontend", "tritons"}
-ENGINE_FIXTURES = {"model_path", "llm", "tiny_model", "tiny", "tiny_single"}
+ENGINE_FIXTURES = {"model_path", "llm", "tiny_model", "tiny", "tiny_single", "tiny_llama"}
 STARTS_A_SERVER = ("llm_server(", "TritonServer(", "ServedApp(")
-RUNS_A_MODEL = ("LLM(", "LLMEngine(", "ForCausalLM(", "tiny_model(", "greedy_tokens(")
+RUNS_A_MODEL = ("LLM(", "LLMEngine(", "ForCausalLM(", "tiny_model(", "greedy_tokens(", "_matches_hf(")
 KERNEL_FILES = {"test_kernels.py", "test_cpu_ops.py"}
 TIERS = ("unit", "kernels", "engine", "serving")
 
@@ -71,8 +73,30 @@ def _blocks_are_free_after_each_test(request):
 
 
 @pytest.fixture(scope="session")
-def tokenizer(llm):
-    return llm.get_tokenizer()
+def tokenizer(model_path):
+    """The prepared model's tokenizer, loaded as the engine loads it."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
+
+
+@pytest.fixture(scope="session")
+def model_name(model_path):
+    """The served model's id: its folder's name."""
+    return Path(model_path).name
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, model_path) -> str:
+    """A random Llama of two layers of width 64 over SmolLM2's vocabulary, with its tokenizer and chat
+    template: loads in seconds where the weights are not under test."""
+    from transformers import LlamaConfig
+
+    from tests.utils.models import copy_tokenizer, tiny_model
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    tiny_model(folder, LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2))
+    return copy_tokenizer(model_path, folder)
 
 
 @pytest.fixture(scope="session")
@@ -92,3 +116,31 @@ def hf_greedy(hf_model):
                                     do_sample=False, eos_token_id=None, pad_token_id=2)
         return out[0, len(prompt_ids):].tolist()
     return generate
+
+
+# -- served: `tritonllm serve` on the prepared model (tests/utils/serve.py) ------------------------
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory, model_path):
+    """`tritonllm serve` (Triton with the llm and embeddings models, and the frontend), one per
+    test module; a module that needs other flags defines its own `serve`."""
+    from tests.utils.serve import Serve
+    with Serve(model_path, tmp_path_factory.mktemp("serve"), start_timeout=300, stop_timeout=60) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(serve):
+    from openai import OpenAI
+
+    from tests.utils.serve import API_KEY
+    return OpenAI(base_url=f"{serve.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def no_request_left_running(request):
+    """After a test on `serve`: its engine runs nothing and holds no KV block. Opted into by module
+    (`pytestmark = pytest.mark.usefixtures("no_request_left_running")`)."""
+    yield
+    if "serve" in request.fixturenames:
+        from tests.utils.serve import wait_engine_idle
+        assert wait_engine_idle(request.getfixturevalue("serve")) == (0, 0), "a request kept its KV blocks"

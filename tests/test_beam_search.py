@@ -100,14 +100,14 @@ def test_too_long_a_request_is_refused(llm):
 # -- served: tritonclient and the openai SDK against one `tritonllm serve` -------------------------
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory, model_path):
-    from tests.test_openai_frontend import running_serve
-    with running_serve(model_path, tmp_path_factory.mktemp("beam_serve"), kv_cache_bytes=128 << 20,
-                       max_model_len=MAX_MODEL_LEN) as served:
+    from tests.utils.serve import Serve
+    with Serve(model_path, tmp_path_factory.mktemp("beam_serve"), kv_cache_bytes=128 << 20,
+               max_model_len=MAX_MODEL_LEN, start_timeout=300, stop_timeout=60) as served:
         yield served
 
 
 def triton_beams(serve, prompt: str, params: dict, **flags):
-    from tests.test_triton_model import Stream, make_inputs
+    from tests.utils.triton import Stream, make_inputs
     stream = Stream(serve.grpc_url)
     try:
         stream.send(make_inputs(prompt, params, **flags))
@@ -148,7 +148,7 @@ def test_triton_bad_beam_requests_are_invalid_arg(serve, params, flags, message)
 def test_openai_completions_use_beam_search(serve, llm, model_path):
     import openai
     from openai import OpenAI
-    from tests.test_openai_frontend import API_KEY
+    from tests.utils.serve import API_KEY
     client = OpenAI(base_url=f"{serve.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
     model = model_path.rstrip("/").split("/")[-1]
     offline = llm.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=3, max_tokens=16, length_penalty=0.5))

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from tests.prompts import PROMPTS
+from tests.utils.models import BLOCK_BYTES_FP32
+from tests.utils.prompts import PROMPTS
 
 MAX_TOKENS = 32
-BLOCK_BYTES_FP32 = 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, block of 16
 
 
 def prompt_ids(tokenizer):
@@ -87,21 +87,17 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 @pytest.mark.parametrize("architecture,rope_scaling", [("llama", None), ("llama", LLAMA3_ROPE), ("qwen2", None)])
 def test_tiny_random_models_match_hf(tmp_path, architecture, rope_scaling):
     """GQA, untied embeddings, Llama 3 RoPE scaling and Qwen2's QKV biases on tiny random models."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, Qwen2Config
 
-    torch.manual_seed(0)
+    from tests.utils.models import tiny_model
+
     shape = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
                  tie_word_embeddings=False, initializer_range=0.3)
-    if architecture == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**shape))
-        with torch.no_grad():  # random biases, so a dropped bias would show
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(std=0.5)
+    if architecture == "qwen2":  # random biases, so a dropped bias would show
+        model = tiny_model(tmp_path, Qwen2Config(**shape), perturb="qkv_bias")
     else:
-        model = LlamaForCausalLM(LlamaConfig(**shape, rope_scaling=rope_scaling))
-    model.eval().save_pretrained(tmp_path)
+        model = tiny_model(tmp_path, LlamaConfig(**shape, rope_scaling=rope_scaling))
     llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20)
     prompts = [[(7 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate([5, 40, 130, 17])]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

@@ -10,19 +10,16 @@ import json
 import os
 import signal
 import socket
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
-from openai_frontend import Settings, build_app
-from openai_frontend.main import server_config
-from test_reliability import shm_regions, start_triton
-from test_router import frontend_metrics
-from test_triton_model import stub_processes
+from openai_frontend import Settings
+from tests.utils import wait_for
+from tests.utils.serve import ServedApp, frontend_metrics
+from tests.utils.triton import shm_regions, start_triton, stub_processes
 from tools.triton_server import free_port, write_model_repository
 
 MAX_MODEL_LEN = 256
@@ -34,28 +31,6 @@ STREAMS = 8
 # the probe's deadline (5 s) and the stall allowance (5 s), with room for a loaded machine.
 FAILS_WITHIN_S = 25
 REQUEST_TIMEOUT_S = 3.0
-
-
-class Frontend:
-    """The frontend as `python -m openai_frontend` runs it (server_config), on a thread."""
-
-    def __init__(self, settings: Settings) -> None:
-        settings = Settings(**{**settings.__dict__, "port": free_port()})
-        self.server = uvicorn.Server(server_config(build_app(settings), settings, "warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url, self.port = f"http://127.0.0.1:{settings.port}", settings.port
-
-    def __enter__(self) -> "Frontend":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
 
 
 @pytest.fixture
@@ -78,15 +53,6 @@ def completion(model: str, **changes) -> dict:
     return {"model": model, "prompt": PROMPT, "max_tokens": 4, **changes}
 
 
-def wait_for(condition, timeout: float, message: str) -> float:
-    """Seconds until `condition()` held."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout, message
-        time.sleep(0.2)
-    return time.monotonic() - started
-
-
 async def read_stream(http: httpx.AsyncClient, body: dict, started: asyncio.Event) -> list:
     """The stream's events (parsed JSON, or the string "[DONE]")."""
     events = []
@@ -101,7 +67,7 @@ async def read_stream(http: httpx.AsyncClient, body: dict, started: asyncio.Even
 
 def test_dead_stub_fails_every_stream_and_turns_health_503(triton, model_path):
     model = os.path.basename(model_path)
-    with Frontend(Settings(grpc_url=triton.grpc_url, model=model_path, max_model_len=MAX_MODEL_LEN)) as app:
+    with ServedApp(Settings(grpc_url=triton.grpc_url, model=model_path, max_model_len=MAX_MODEL_LEN)) as app:
         assert httpx.get(f"{app.url}/health/ready").status_code == 200
         assert httpx.get(f"{app.url}/health").status_code == 200
 
@@ -128,7 +94,7 @@ def test_dead_stub_fails_every_stream_and_turns_health_503(triton, model_path):
               f"the error: {outcomes[0][-2]['error']['message']}")
 
         # Health follows the model's process, not only Triton's READY (which stays true).
-        wait_for(lambda: httpx.get(f"{app.url}/health").status_code == 503, 10, "/health stayed 200")
+        wait_for(lambda: httpx.get(f"{app.url}/health").status_code == 503, 10, "/health to turn 503")
         assert httpx.get(f"{app.url}/health/ready").status_code == 503
         assert httpx.get(f"{app.url}/health/live").status_code == 200
         shown = frontend_metrics(app.url)
@@ -144,7 +110,7 @@ def test_frozen_triton_fails_new_requests_within_the_deadline(triton, model_path
     model = os.path.basename(model_path)
     settings = Settings(grpc_url=triton.grpc_url, model=model_path, max_model_len=MAX_MODEL_LEN,
                         request_timeout=REQUEST_TIMEOUT_S)
-    with Frontend(settings) as app:
+    with ServedApp(settings) as app:
         assert httpx.get(f"{app.url}/health").status_code == 200
         os.killpg(triton.process.pid, signal.SIGSTOP)  # the server and its stub, frozen
         try:
@@ -165,11 +131,11 @@ def test_frozen_triton_fails_new_requests_within_the_deadline(triton, model_path
 
             # The health check's calls have deadlines too: readiness turns 503 while Triton is frozen.
             unready_after = wait_for(lambda: httpx.get(f"{app.url}/health", timeout=5).status_code == 503,
-                                     FAILS_WITHIN_S, "/health stayed 200 with Triton frozen")
+                                     FAILS_WITHIN_S, "/health to turn 503 with Triton frozen")
         finally:
             os.killpg(triton.process.pid, signal.SIGCONT)
         back_after = wait_for(lambda: httpx.get(f"{app.url}/health").status_code == 200, FAILS_WITHIN_S,
-                              "/health did not recover after SIGCONT")
+                              "/health to recover after SIGCONT")
         print(f"\nTriton frozen: a request failed after {failed_after:.1f} s (timeout {REQUEST_TIMEOUT_S} s), "
               f"/health 503 after {unready_after:.1f} s; ready again {back_after:.1f} s after SIGCONT")
 
@@ -197,7 +163,7 @@ def test_half_sent_requests_are_closed_after_the_timeouts(model_path):
     nobody = f"127.0.0.1:{free_port()}"  # no Triton needed: the request never gets that far
     settings = Settings(grpc_url=nobody, model=model_path, header_timeout=READ_TIMEOUT_S,
                         body_timeout=READ_TIMEOUT_S)
-    with Frontend(settings) as app:
+    with ServedApp(settings) as app:
         body = json.dumps(completion("m", max_tokens=1)).encode()
         head = (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\n\r\n").encode()
@@ -228,7 +194,7 @@ def test_half_sent_requests_are_closed_after_the_timeouts(model_path):
 def test_a_slow_but_steady_body_within_the_timeout_is_served(model_path):
     """The body deadline bounds the whole body, and a body sent in pieces inside it is read whole."""
     settings = Settings(grpc_url=f"127.0.0.1:{free_port()}", model=model_path, body_timeout=3.0)
-    with Frontend(settings) as app:
+    with ServedApp(settings) as app:
         body = json.dumps(completion(os.path.basename(model_path), max_tokens=1)).encode()
         with socket.create_connection(("127.0.0.1", app.port)) as sock:
             sock.sendall((f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"

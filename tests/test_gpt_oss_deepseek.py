@@ -13,9 +13,9 @@ from backend.kernels.paged_attention import paged_attention_decode
 from backend.kernels.prefill_attention import paged_attention_prefill
 
 from backend import LLM, SamplingParams
-from tests.test_kernels import DEVICE, NUM_KV_HEADS, TOLERANCE, block_tables_for, paged_cache
-from tests.test_model_families import (PROMPTS, VOCAB, assert_greedy_matches_hf, assert_tensor_parallel_matches_hf,
-                                       hf_greedy, save_random)
+from tests.utils.kernels import DEVICE, NUM_KV_HEADS, TOLERANCE, block_tables_for, paged_cache
+from tests.utils.models import (PROMPTS, VOCAB, assert_greedy_matches_hf, assert_tensor_parallel_matches_hf,
+                                hf_greedy_logprobs, tiny_model)
 
 
 @pytest.mark.parametrize("window", [None, 16, 40])
@@ -106,8 +106,8 @@ def tiny(name: str, path) -> torch.nn.Module:
     import transformers
 
     prefix, options = CASES[name]
-    return save_random(getattr(transformers, f"{prefix}Config")(**options),
-                       getattr(transformers, f"{prefix}ForCausalLM"), path)
+    return tiny_model(path, getattr(transformers, f"{prefix}Config")(**options), perturb="all",
+                      attn_implementation="eager")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -149,7 +149,7 @@ def test_family_on_triton_kernels(tmp_path, name):
                   max_num_batched_tokens=16, max_num_seqs=4, device=DEVICE.type)
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     for output, prompt in zip(outputs, prompts):
-        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 5)[0], name
+        assert output.outputs[0].token_ids == hf_greedy_logprobs(model, prompt, 5)[0], name
 
 
 @pytest.mark.parametrize("name", ["gpt-oss", "deepseek-v3"])

@@ -18,44 +18,7 @@ from backend.kernels.paged_attention import choose_num_splits, paged_attention_d
 from backend.kernels.prefill_attention import paged_attention_prefill
 from backend.kernels.rms_norm import add_rms_norm, rms_norm
 from backend.kernels.rotary import rotary_embedding
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-NUM_KV_HEADS = 2
-TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-
-
-def on_torch_and_triton(generate):
-    """generate(device) on the torch path and on the Triton kernels (CUDA, or the CPU under the
-    interpreter)."""
-    from backend import ops
-
-    on_torch = generate("cpu")
-    if DEVICE.type == "cuda":
-        return on_torch, generate("cuda")
-    with ops.triton_kernels():
-        return on_torch, generate("cpu")
-
-
-def paged_cache(num_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype):
-    """Random key and value caches [num_blocks, block_size, KVH, D] as the engine lays them out:
-    views of a head-major [2, KVH, num_blocks, block_size, D] tensor."""
-    cache = torch.randn(2, NUM_KV_HEADS, num_blocks, block_size, head_dim, dtype=dtype, device=DEVICE)
-    return cache, cache[0].permute(1, 2, 0, 3), cache[1].permute(1, 2, 0, 3)
-
-
-def block_tables_for(seq_lens: list[int], block_size: int, num_blocks: int) -> torch.Tensor:
-    """Distinct random blocks for each sequence, padded with block 0 to the longest."""
-    width = max(-(-n // block_size) for n in seq_lens)
-    blocks = torch.randperm(num_blocks)
-    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(seq_lens):
-        count = -(-n // block_size)
-        tables[i, :count] = blocks[used:used + count]
-        used += count
-    return tables.to(DEVICE)
-
+from tests.utils.kernels import DEVICE, NUM_KV_HEADS, TOLERANCE, block_tables_for, on_torch_and_triton, paged_cache
 
 SHAPES = [(block_size, head_dim, group) for block_size in (16, 32) for head_dim in (64, 128)
           for group in (1, 3, 4)]
@@ -258,15 +221,14 @@ def test_engine_greedy_tokens_unchanged_on_triton_kernels(tmp_path):
     on the CPU and from the Triton kernels (through the interpreter, or on CUDA with its graphs),
     across fresh prompts, a prefix-cache hit, chunked prefill and batched decode; and both the same
     as Hugging Face."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     from backend import LLM, SamplingParams
+    from tests.utils.models import tiny_model
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=192, intermediate_size=384,
-                                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                                         max_position_embeddings=256, initializer_range=0.3))
-    model.eval().save_pretrained(tmp_path)
+    model = tiny_model(tmp_path, LlamaConfig(vocab_size=256, hidden_size=192, intermediate_size=384,
+                                             num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                                             max_position_embeddings=256, initializer_range=0.3))
     shared = [(11 * j) % 250 + 3 for j in range(40)]
     prompts = [shared + [5, 6, 7], shared + [9], [(7 * j) % 250 + 3 for j in range(90)], [42]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_openai_frontend import API_KEY, model_name, serve  # noqa: F401 (fixtures)
+from tests.utils.serve import API_KEY
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'lm-eval[api]')")
 pytest.importorskip("tenacity", reason="lm-eval's API models need its `api` extra (pip install 'lm-eval[api]')")

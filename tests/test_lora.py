@@ -17,12 +17,12 @@ from backend.errors import EngineError
 from backend.kernels.lora import add_lora  # at collection, before anything imports Triton otherwise
 from backend.kernels.reference import add_lora_reference
 from backend.lora.layers import LoRABatch
-from tests.prompts import PROMPTS
+from tests.utils.models import BLOCK_BYTES_FP32
+from tests.utils.prompts import PROMPTS
 
 peft = pytest.importorskip("peft")
 
 MAX_TOKENS = 16
-BLOCK_BYTES_FP32 = 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, block of 16
 # name -> (rank, alpha, target modules, rsLoRA)
 ADAPTERS = {"sql": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], False),
             "poet": (4, 8, ["gate_proj", "up_proj", "down_proj", "v_proj"], True)}
@@ -270,13 +270,13 @@ def serve(tmp_path_factory, model_path, adapters):
     vLLM's runtime load/unload endpoints opted into (behind the API key)."""
     import os
 
-    from tests.test_openai_frontend import running_serve
+    from tests.utils.serve import Serve
 
     flags = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
              "--lora-modules", *(f"{name}={lora.lora_path}" for name, lora in adapters.items())]
-    with running_serve(model_path, tmp_path_factory.mktemp("serve_lora"), *flags, kv_cache_bytes=64 << 20,
-                       max_model_len=512, api_key=API_KEY,
-                       env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}) as served:
+    with Serve(model_path, tmp_path_factory.mktemp("serve_lora"), *flags, kv_cache_bytes=64 << 20,
+               max_model_len=512, api_key=API_KEY, env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"},
+               start_timeout=300, stop_timeout=60) as served:
         yield {"openai": served.url, "grpc": served.grpc_url, "metrics": served.metrics_url}
 
 

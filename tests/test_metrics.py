@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from backend.engine.metrics import (ITERATION_TOKENS_BUCKETS, N_BUCKETS, REQUEST_LATENCY_BUCKETS, MetricsRegistry,
                              buckets_1_2_5)
-from tests.test_triton_model import Stream, generate, is_final, llm_server, make_inputs
+from tests.utils.triton import Stream, generate, is_final, llm_server, make_inputs
 from tools.triton_server import TritonServer
 
 MAX_MODEL_LEN = 512

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
+from tests.utils.models import (PROMPTS, SHAPE, VOCAB, WINDOW, assert_greedy_matches_hf, assert_tensor_parallel_matches_hf,
+                                causal_lm_class, copy_tokenizer, hf_greedy_logprobs, tiny_model)
+from tests.utils.serve import Serve
 
-VOCAB = 384
-SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3)
-WINDOW = 16  # shorter than the longer prompts
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
@@ -27,7 +26,7 @@ def phi4_mini_rope(head_dim: int, partial: float) -> dict:
 
 
 def family(name: str, **overrides):
-    """(config, model class, attention implementation for the reference) for one test case."""
+    """The transformers config of one test case."""
     import transformers as t
 
     cases = {
@@ -54,90 +53,33 @@ def family(name: str, **overrides):
                                           residual_multiplier=0.7, logits_scaling=2.5)),
     }
     config_class, options = cases[name]
-    config = config_class(**{**SHAPE, **options, **overrides})
-    architecture = {"Gemma3TextConfig": "Gemma3ForCausalLM"}.get(config_class.__name__,
-                                                                   config_class.__name__.replace("Config", "ForCausalLM"))
-    return config, getattr(t, architecture)
+    return config_class(**{**SHAPE, **options, **overrides})
 
 
 FAMILIES = ["llama-untied", "llama-tied-bias", "llama3-rope", "mistral-window", "qwen2-yarn", "qwen3", "gemma",
             "gemma2", "gemma3", "phi3", "phi4-mini", "olmo2", "granite"]
 
 
-def save_random(config, model_class, path) -> torch.nn.Module:
-    """A random model saved to path, every parameter perturbed (norm weights, biases, sinks and
-    DeepSeek's routing-correction buffer far from their init, so a dropped term shows); the
-    reference model in float32, eager attention. Shared by the MoE and latent-attention tests."""
-    torch.manual_seed(0)
-    model = model_class._from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * (0.3 if param.dim() == 1 else 0.02))
-        for buffer_name, buffer in model.named_buffers():
-            if buffer_name.endswith("e_score_correction_bias"):  # DeepSeek's: a buffer, zero at init
-                buffer.add_(torch.randn_like(buffer) * 0.3)
-    model.eval().save_pretrained(path)
-    return model
-
-
-def tiny_model(name: str, path, **overrides) -> torch.nn.Module:
-    """A random model of the family saved to path (see save_random)."""
-    return save_random(*family(name, **overrides), path)
-
-
-def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    """Hugging Face's greedy tokens and each one's log-probability."""
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, return_dict_in_generate=True, output_logits=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    return tokens, [step[0].float().log_softmax(-1)[t].item() for step, t in zip(out.logits, tokens)]
-
-
-PROMPTS = [[(7 * i + 3 * j) % (VOCAB - 3) + 3 for j in range(n)] for i, n in enumerate([6, 37])]
-
-
-def assert_greedy_matches_hf(model, path, name: str, max_tokens: int = 12) -> None:
-    """Our float32 greedy tokens and their log-probabilities against Hugging Face's, for PROMPTS.
-    Chunks of 16 tokens: prompts longer than a window are prefilled across several steps."""
-    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
-              max_num_batched_tokens=16, max_num_seqs=4)
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1))
-    for output, prompt in zip(outputs, PROMPTS):
-        completion = output.outputs[0]
-        tokens, logprobs = hf_greedy(model, prompt, max_tokens)
-        assert completion.token_ids == tokens, name
-        # Log-probabilities see what greedy tokens cannot: a final soft cap, Granite's logits scaling.
-        ours = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
-        assert ours == pytest.approx(logprobs, abs=1e-4), name
+def tiny_family(name: str, path, **overrides) -> torch.nn.Module:
+    """A random model of the family saved to path, every parameter perturbed; the reference in
+    float32, eager attention (tests/utils/models.py)."""
+    return tiny_model(path, family(name, **overrides), perturb="all", attn_implementation="eager")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_matches_hf(tmp_path, name):
-    assert_greedy_matches_hf(tiny_model(name, tmp_path), tmp_path, name)
+    assert_greedy_matches_hf(tiny_family(name, tmp_path), tmp_path, name)
 
 
 @pytest.mark.parametrize("name", ["qwen3-bias", "phi3"])
 def test_tensor_parallel_family_matches_hf(tmp_path, name):
     """tp=2 over gloo: per-head q/k norms replicated, q/k/v biases split with their heads, o_proj's
     bias added once (rank 0's); Phi-3's fused qkv_proj / gate_up_proj split before sharding."""
-    assert_tensor_parallel_matches_hf(tiny_model(name, tmp_path), tmp_path, name)
-
-
-def assert_tensor_parallel_matches_hf(model, path, name: str, max_tokens: int = 8) -> None:
-    """tp=2 over gloo: our greedy tokens for PROMPTS against Hugging Face's."""
-    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
-              tensor_parallel_size=2)
-    try:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    finally:
-        llm.shutdown()
-    for output, prompt in zip(outputs, PROMPTS):
-        assert output.outputs[0].token_ids == hf_greedy(model, prompt, max_tokens)[0], name
+    assert_tensor_parallel_matches_hf(tiny_family(name, tmp_path), tmp_path, name)
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
-    tiny_model("llama-untied", tmp_path)
+    tiny_family("llama-untied", tmp_path)
     config = (tmp_path / "config.json").read_text().replace("LlamaForCausalLM", "MambaForCausalLM")
     (tmp_path / "config.json").write_text(config)
     with pytest.raises(ValueError, match=r"MambaForCausalLM.*not supported.*Gemma2ForCausalLM.*Qwen3ForCausalLM"):
@@ -151,7 +93,7 @@ def test_longrope_past_the_original_context(tmp_path):
     once it crosses, which a paged cache does not; the tokens after the crossing differ from it.)"""
     from transformers import DynamicCache
 
-    model = tiny_model("phi4-mini", tmp_path)
+    model = tiny_family("phi4-mini", tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20)
     prompt, max_tokens = PROMPTS[1] + PROMPTS[0] * 3, 30  # 55 + 30 positions: crosses 64
     ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
@@ -170,50 +112,12 @@ def test_longrope_past_the_original_context(tmp_path):
 def serve(request, tmp_path, model_path):
     """`tritonllm serve --model DIR` on a tiny random model of the family `request.param`, with
     SmolLM2's tokenizer and chat template: yields (frontend URL, model folder, reference model)."""
-    import shutil
-    import signal
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-    from pathlib import Path
-
-    from tools.prepare_embeddings import prepare_embeddings
-    from tools.triton_server import free_port
-
-    prepare_embeddings()  # the served repository holds the embeddings model too
     folder = tmp_path / f"tiny-{request.param}"
-    model = tiny_model(request.param, folder, vocab_size=49152)
-    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (Path(model_path) / file).is_file():
-            shutil.copy(Path(model_path) / file, folder / file)
-    ports = {key: free_port() for key in ("port", "http-port", "grpc-port", "metrics-port")}
-    command = [sys.executable, "-m", "tools.cli", "serve", "--model", str(folder), "--dtype", "float32",
-               "--kv-cache-memory-bytes", str(8 << 20), "--max-model-len", "256", "--workdir", str(tmp_path / "work"),
-               *(f"--{key}={port}" for key, port in ports.items())]
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{ports['port']}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
-            time.sleep(0.5)
-        yield url, folder, model
-    finally:
-        process.send_signal(signal.SIGINT)  # serve stops the frontend, then Triton
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    model = tiny_family(request.param, folder, vocab_size=49152)
+    copy_tokenizer(model_path, folder)
+    with Serve(str(folder), tmp_path / "work", kv_cache_bytes=8 << 20, max_model_len=256, api_key=None,
+               start_timeout=300, stop_timeout=60) as served:
+        yield served.url, folder, model
 
 
 @pytest.mark.parametrize("serve", ["gemma2", "qwen3"], indirect=True)
@@ -228,7 +132,7 @@ def test_served_family_answers_through_the_openai_sdk(serve):
     offline = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=8 << 20)
     expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
     offline.shutdown()
-    assert expected.outputs[0].token_ids == hf_greedy(model, prompt, max_tokens)[0]
+    assert expected.outputs[0].token_ids == hf_greedy_logprobs(model, prompt, max_tokens)[0]
     client = OpenAI(base_url=f"{url}/v1", api_key="unused")
     completion = client.completions.create(model=folder.name, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                            extra_body={"ignore_eos": True})
@@ -320,12 +224,7 @@ def test_gguf_family_matches_transformers(tmp_path, monkeypatch, name):
 
     monkeypatch.setattr(engine_gguf, "cache_dir", lambda: tmp_path / "cache")
     arch, options = GGUF_CASES[name]
-    config, model_class = family(name, **options)
-    torch.manual_seed(0)
-    model = model_class._from_config(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * (0.3 if param.dim() == 1 else 0.02))
+    model = tiny_model(tmp_path / "hf", family(name, **options), perturb="all")
     file = tmp_path / f"tiny-{name}.gguf"
     write_gguf(model, arch, file)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=file.name, dtype=torch.float32).eval()
@@ -333,7 +232,7 @@ def test_gguf_family_matches_transformers(tmp_path, monkeypatch, name):
     assert isinstance(llm.llm_engine.runner.model.layers[0].self_attn.qkv_proj, engine_gguf.GGUFLinear)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for output, prompt in zip(outputs, PROMPTS):
-        assert output.outputs[0].token_ids == hf_greedy(reference, prompt, 8)[0], name
+        assert output.outputs[0].token_ids == hf_greedy_logprobs(reference, prompt, 8)[0], name
 
 
 # -- config.json as the hub's checkpoints spell it (transformers 4.x) -----------------------------------------
@@ -357,8 +256,8 @@ def test_v4_config_spelling_gives_the_same_model(name):
     of the v5 spelling the exactness tests use."""
     from backend.models import model_args
 
-    config, model_class = family(name)
-    v5 = {**config.to_dict(), "architectures": [model_class.__name__]}
+    config = family(name)
+    v5 = {**config.to_dict(), "architectures": [causal_lm_class(config).__name__]}
     changes, dropped = V4_FORMS[name]
     v4 = {**{k: v for k, v in v5.items() if k not in dropped}, **changes}
     assert model_args(v4) == model_args(v5)

@@ -17,8 +17,10 @@ from backend import LLM, SamplingParams
 from backend.layers.moe import (MoEArgs, Router, SparseMoE, grouped_experts, per_token_experts,
                                        sparse_layers)
 from backend.worker.parallel_state import ParallelState
-from tests.test_kernels import on_torch_and_triton
-from tests.test_model_families import PROMPTS, SHAPE, WINDOW, assert_tensor_parallel_matches_hf, hf_greedy, save_random
+from tests.utils.kernels import on_torch_and_triton
+from tests.utils.models import (PROMPTS, SHAPE, WINDOW, assert_tensor_parallel_matches_hf, copy_tokenizer,
+                                hf_greedy_logprobs, tiny_model)
+from tests.utils.triton import generate, llm_server, texts
 
 MOE_SHAPE = dict(num_experts_per_tok=2, initializer_range=0.3)
 
@@ -39,16 +41,15 @@ def moe_family(name: str, **overrides):
                                              attention_bias=True, use_sliding_window=True, sliding_window=WINDOW)),
     }
     config_class, options = cases[name]
-    config = config_class(**{**SHAPE, **MOE_SHAPE, **options, **overrides})
-    import transformers
-    return config, getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))
+    return config_class(**{**SHAPE, **MOE_SHAPE, **options, **overrides})
 
 
 MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe"]
 
 
 def tiny_moe(name: str, path, **overrides) -> torch.nn.Module:
-    return save_random(*moe_family(name, **overrides), path)
+    """Every parameter perturbed, routers included; the reference in float32, eager attention."""
+    return tiny_model(path, moe_family(name, **overrides), perturb="all", attn_implementation="eager")
 
 
 def greedy_tokens(path, max_tokens=12, **options) -> list:
@@ -68,7 +69,7 @@ def test_moe_family_matches_hf(tmp_path, name):
     model = tiny_moe(name, tmp_path)
     max_tokens = 12
     for completion, prompt in zip(greedy_tokens(tmp_path, max_tokens), PROMPTS):
-        tokens, logprobs = hf_greedy(model, prompt, max_tokens)
+        tokens, logprobs = hf_greedy_logprobs(model, prompt, max_tokens)
         assert completion.token_ids == tokens, name
         ours = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
         assert ours == pytest.approx(logprobs, abs=1e-4), name
@@ -138,21 +139,14 @@ def test_load_time_quantization_reaches_the_experts(tmp_path, method):
 def test_moe_family_served_through_the_triton_model(tmp_path, model_path):
     """A tiny Mixtral (SmolLM2's tokenizer) in a real tritonserver: the `llm` model's greedy text is
     the offline engine's, whose tokens are Hugging Face's."""
-    import shutil
-    from pathlib import Path
-
-    from tests.test_triton_model import generate, llm_server, texts
-
     folder = tmp_path / "tiny-mixtral"
     model = tiny_moe("mixtral", folder, vocab_size=49152)
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        if (Path(model_path) / file).is_file():
-            shutil.copy(Path(model_path) / file, folder / file)
+    copy_tokenizer(model_path, folder)
     prompt, max_tokens = PROMPTS[1], 8
     offline = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=8 << 20)
     expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
     offline.shutdown()
-    assert expected.outputs[0].token_ids == hf_greedy(model, prompt, max_tokens)[0]
+    assert expected.outputs[0].token_ids == hf_greedy_logprobs(model, prompt, max_tokens)[0]
     engine_args = {"model": str(folder), "dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "max_model_len": 256}
     # clean_exit=False: a clean exit is test_triton_model's to check; on a loaded machine this
     # stub's unload can outlast the fixture's --exit-timeout-secs=5.
@@ -346,7 +340,7 @@ def test_moe_model_greedy_tokens_unchanged_on_triton_kernels(tmp_path):
 
     on_torch, on_triton = on_torch_and_triton(generate)
     assert on_triton == on_torch
-    assert on_torch == [hf_greedy(model, prompt, 6)[0] for prompt in PROMPTS]
+    assert on_torch == [hf_greedy_logprobs(model, prompt, 6)[0] for prompt in PROMPTS]
 
 
 # -- the CPU MoE kernel (backend/csrc/cpu_moe.cpp), bfloat16 at a few tokens -------------------------------------

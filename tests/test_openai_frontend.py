@@ -9,151 +9,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import contextlib
 import json
-import signal
-import subprocess
-import sys
-import threading
-import time
-import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 from openai import AsyncOpenAI, OpenAI
 
-from openai_frontend import Settings, build_app
+from openai_frontend import Settings
 from openai_frontend.errors import OpenAIError
 from openai_frontend.generation import sse_stream
+from tests.utils.serve import API_KEY, AUTH, EMBEDDINGS, MAX_MODEL_LEN, ServedApp, engine_load, wait_engine_idle
 from tools.triton_server import free_port
 
-MAX_MODEL_LEN = 2048
-API_KEY = "test-key"
-EMBEDDINGS = "all-MiniLM-L6-v2"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-class ServedApp:
-    """A frontend app on a uvicorn server in a thread."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.port = free_port()
-        self.app = build_app(Settings(**{**settings.__dict__, "port": self.port}))
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> "ServedApp":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-@dataclass
-class Serve:
-    url: str  # the OpenAI frontend
-    grpc_url: str  # Triton's
-    metrics_url: str  # Triton's, where the llm model exports the engine's metrics
-
-
-@contextlib.contextmanager
-def running_serve(model_path: str, work: Path, *flags: str, kv_cache_bytes: int = 256 << 20,
-                  max_model_len: int = MAX_MODEL_LEN, api_key: str = API_KEY, env: dict | None = None,
-                  start_timeout: float = 300, stop_timeout: float = 60) -> Iterator[Serve]:
-    """`tritonllm serve` as users run it: Triton (llm + embeddings) and the frontend, on free ports,
-    with `flags` added; stopped with SIGINT (serve stops the frontend, then Triton). Every served
-    test file starts its server through this."""
-    from tools.prepare_embeddings import prepare_embeddings
-    prepare_embeddings()  # fetched here, not by the Triton model while it loads
-    ports = {name: free_port() for name in ("port", "http-port", "grpc-port", "metrics-port")}
-    command = [sys.executable, "-m", "tools.cli", "serve", "--model", model_path, "--dtype", "float32",
-               "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-model-len", str(max_model_len),
-               "--api-key", api_key, "--workdir", str(work), *flags]
-    command += [f"--{name}={port}" for name, port in ports.items()]
-    log = work / "serve.log"
-    with open(log, "wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
-    served = Serve(f"http://127.0.0.1:{ports['port']}", f"127.0.0.1:{ports['grpc-port']}",
-                   f"http://127.0.0.1:{ports['metrics-port']}/metrics")
-    try:
-        deadline = time.monotonic() + start_timeout
-        while not ready(f"{served.url}/health"):
-            assert process.poll() is None and time.monotonic() < deadline, \
-                f"tritonllm serve did not come up:\n{log.read_text(errors='replace')[-3000:]}"
-            time.sleep(0.5)
-        yield served
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(stop_timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-@pytest.fixture(scope="module")
-def serve(tmp_path_factory, model_path):
-    with running_serve(model_path, tmp_path_factory.mktemp("serve")) as served:
-        yield served
-
-
-def ready(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-@pytest.fixture(scope="module")
-def client(serve):
-    return OpenAI(base_url=f"{serve.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model_name(model_path):
-    return model_path.rstrip("/").split("/")[-1]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model_path)
-
-
-def engine_load(serve: Serve) -> tuple[float, float]:
-    """(requests running, KV-cache usage) as the llm model exports them on Triton's metrics port."""
-    text = urllib.request.urlopen(serve.metrics_url, timeout=5).read().decode()
-    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(("vllm:num_requests_running{", "vllm:kv_cache_usage_perc{"))}
-    return values["vllm:num_requests_running"], values["vllm:kv_cache_usage_perc"]
-
-
-def wait_engine_idle(serve: Serve, timeout: float = 15.0) -> tuple[float, float]:
-    deadline = time.monotonic() + timeout
-    while (load := engine_load(serve)) != (0, 0) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return load
-
-
-@pytest.fixture(autouse=True)
-def _no_request_left_running(request):
-    yield
-    if "serve" in request.fixturenames:
-        assert wait_engine_idle(request.getfixturevalue("serve")) == (0, 0), "a request kept its KV blocks"
+pytestmark = pytest.mark.usefixtures("no_request_left_running")
 
 
 def sse_events(response: httpx.Response) -> list:

@@ -14,35 +14,31 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 from backend import LLM, SamplingParams
 from backend.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from backend.config import EngineConfig
 from backend.worker.distributed import free_port
+from tests.utils import wait_for
+from tests.utils.models import tiny_model
+from tests.utils.triton import generate, llm_server, texts
 
 KV_BYTES = 16 << 20
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate([5, 40, 130, 17])]
 
 
-def tiny_model(path: Path, architecture: str = "llama", num_kv_heads: int = 2) -> str:
+def tiny_split_model(path: Path, architecture: str = "llama", num_kv_heads: int = 2) -> str:
     """A random model whose 8 heads split over 2 ranks; vocab 511 so the vocabulary split pads."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, Qwen2Config
 
-    torch.manual_seed(0)
     shape = dict(vocab_size=511, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
                  tie_word_embeddings=architecture == "qwen2", initializer_range=0.3)
     if architecture == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**shape))
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(std=0.5)
+        tiny_model(path, Qwen2Config(**shape), perturb="qkv_bias")
     else:
-        model = LlamaForCausalLM(LlamaConfig(**shape))
-    model.eval().save_pretrained(path)
+        tiny_model(path, LlamaConfig(**shape))
     return str(path)
 
 
@@ -70,7 +66,7 @@ def _no_orphan_workers():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+    return tiny_split_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +89,7 @@ def test_tensor_and_pipeline_together(tiny, tiny_single):
                          ids=["replicated-kv-head", "qwen2-biases-tied"])
 def test_tensor_parallel_shapes(tmp_path, architecture, num_kv_heads):
     """One KV head for two ranks (replicated); Qwen2's sharded QKV biases and a tied vocab-split head."""
-    model = tiny_model(tmp_path, architecture, num_kv_heads)
+    model = tiny_split_model(tmp_path, architecture, num_kv_heads)
     assert greedy_tokens(model, tensor_parallel_size=2) == greedy_tokens(model)
 
 
@@ -167,8 +163,6 @@ def test_killed_worker_fails_requests_instead_of_hanging(tiny):
 @pytest.mark.slow
 def test_triton_serves_tensor_parallel_3_and_a_dead_worker_unloads_the_model(tmp_path, model_path, llm):
     import tritonclient.grpc as grpcclient
-
-    from tests.test_triton_model import generate, llm_server, texts, wait_for
 
     engine_args = {"model": model_path, "dtype": "float32", "kv_cache_memory_bytes": 64 << 20,
                    "max_model_len": 512, "tensor_parallel_size": 3}

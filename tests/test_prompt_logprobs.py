@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from tests.prompts import PROMPTS
-from tests.test_openai_frontend import AUTH, client, model_name, serve, tokenizer  # noqa: F401 (fixtures)
-from tests.test_triton_model import generate
+from tests.utils.prompts import PROMPTS
+from tests.utils.models import BLOCK_BYTES_FP32
+from tests.utils.serve import AUTH, ServedApp
+from tests.utils.triton import generate
 
 TOLERANCE = 1e-4
-BLOCK_BYTES_FP32 = 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, block of 16
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,6 @@ def test_tokenize_and_detokenize(model_path, tokenizer):
     import openai
 
     from openai_frontend import Settings
-    from tests.test_openai_frontend import ServedApp
     from tools.triton_server import free_port
 
     with ServedApp(Settings(grpc_url=f"127.0.0.1:{free_port()}", model=model_path, max_model_len=2048)) as app:

@@ -207,15 +207,14 @@ def tiny_model(tmp_path_factory) -> str:
     """A tiny random Llama (GQA, untied) with a byte-level tokenizer, so `tritonllm quantize` can read
     its calibration text."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    from tests.utils.models import tiny_model
 
     path = tmp_path_factory.mktemp("tiny_llama")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=256, initializer_range=0.05,
-                                         tie_word_embeddings=False))
-    model.eval().save_pretrained(path)
+    tiny_model(path, LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                 initializer_range=0.05, tie_word_embeddings=False))
     tokenizer = Tokenizer(models.WordLevel({chr(i): i for i in range(256)} | {"[UNK]": 256}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(path)
@@ -390,7 +389,7 @@ def test_gguf_folder_resolves_to_the_same_model(gguf_path, tmp_path):
 def test_quantized_gguf_serves_through_triton(gguf_path, tmp_path):
     """A quantized checkpoint behind a real tritonserver: the GGUF model's text matches the
     offline engine's on the same file."""
-    from tests.test_triton_model import generate, llm_server, texts
+    from tests.utils.triton import generate, llm_server, texts
 
     expected = LLM(gguf_path, dtype="float32", kv_cache_memory_bytes=64 << 20).generate(
         [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text

@@ -16,7 +16,7 @@ from openai_frontend.serving_chat import AnswerStream
 from openai_frontend.tool_calls import ToolPlan
 from openai_frontend.tool_parsers import HermesParser
 from openai_frontend.main import parse_settings
-from test_openai_frontend import API_KEY, ServedApp, model_name, serve, tokenizer  # noqa: F401
+from tests.utils.serve import API_KEY, ServedApp
 
 THOUGHT, ANSWER = "The user greets me. I greet back.", "Hello there!"
 

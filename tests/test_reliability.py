@@ -29,9 +29,10 @@ import tritonclient.grpc.aio as grpcaio
 from backend import AsyncLLMEngine, EngineConfig, SamplingParams
 from backend.engine.async_engine import EngineOverloadedError
 from openai_frontend import Settings
-from test_openai_frontend import ServedApp
-from test_triton_model import Stream, is_final, make_inputs, stub_processes, texts, thread_count
-from tools.triton_server import TritonServer, free_port, write_model_repository
+from tests.utils.serve import ServedApp
+from tests.utils.triton import (Stream, is_final, make_inputs, metrics, settled, shm_regions, start_triton,
+                                stub_processes, texts, thread_count)
+from tools.triton_server import TritonServer, write_model_repository
 
 MAX_MODEL_LEN = 256
 ENGINE = {"dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "max_model_len": MAX_MODEL_LEN,
@@ -70,16 +71,6 @@ def add_flaky_model(repository: Path) -> None:
     engine_json.write_text(json.dumps({**json.loads(engine_json.read_text()), "max_num_seqs": 2}))
 
 
-def start_triton(work: Path, models: tuple[str, ...]) -> TritonServer:
-    ports = {name: free_port() for name in ("http_port", "grpc_port", "metrics_port")}
-    server = TritonServer(work / "repository", work, log_file=work / "triton.log", **ports,
-                          extra_args=["--exit-timeout-secs=10", "--model-control-mode=explicit",
-                                      *(f"--load-model={model}" for model in models)])
-    server.start()
-    server.wait_ready(300)
-    return server
-
-
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory, model_path):
     """Roomy: 16 running, 64 waiting. Bad inputs, the soak, faults, logs, salts, fuzzing."""
@@ -109,22 +100,6 @@ def frontend(triton, model_path):
         yield app
 
 
-@pytest.fixture(scope="module")
-def model_name(model_path):
-    return Path(model_path).name
-
-
-def metrics(server: TritonServer, model: str = "llm") -> dict[str, float]:
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
-        lines = response.read().decode().splitlines()
-    values: dict[str, float] = {}  # summed over labels (request_success_total's finished_reason)
-    for line in lines:
-        if line.startswith("vllm:") and f'model="{model}"' in line and "_bucket" not in line:
-            name = line.split("{")[0]
-            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values
-
-
 def wait_idle(server: TritonServer, model: str = "llm", timeout: float = 20.0) -> dict[str, float]:
     """Metrics once nothing runs, waits or holds a KV block (or the last reading at the timeout)."""
     deadline = time.monotonic() + timeout
@@ -135,17 +110,6 @@ def wait_idle(server: TritonServer, model: str = "llm", timeout: float = 20.0) -
         if idle or time.monotonic() > deadline:
             return current
         time.sleep(0.2)
-
-
-def settled(server: TritonServer, model: str = "llm") -> dict[str, float]:
-    """Metrics once the exporter (it polls the engine every 0.5 s) has caught up."""
-    previous = metrics(server, model)
-    while True:
-        time.sleep(0.6)
-        current = metrics(server, model)
-        if current == previous:
-            return current
-        previous = current
 
 
 ENGINE_COUNTERS = ("vllm:prompt_tokens_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total")
@@ -942,15 +906,6 @@ def test_overload_over_grpc_is_an_unavailable_error(tight_triton):
     refused = [m for m in outcomes if m is not None]
     assert len(refused) >= 4 and all("overloaded" in m and "max_waiting_requests=4" in m for m in refused), outcomes
     wait_idle(tight_triton)
-
-
-def shm_regions(server: TritonServer) -> list[Path]:
-    """The Python backend's shared-memory regions of this server's models (a killed server leaves them)."""
-    regions = []
-    for pid in stub_processes(server):
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        regions += [Path("/dev/shm") / a.decode() for a in args if a.startswith(b"triton_python_backend_shm")]
-    return regions
 
 
 @pytest.mark.slow

@@ -12,8 +12,9 @@ import openai
 import pytest
 
 from openai_frontend.serving_responses import EventWriter, ResponseBuilder, ResponsesRequest
-from test_openai_frontend import API_KEY, _no_request_left_running, client, model_name, serve  # noqa: F401
-from test_tool_calls import TOOLS, WEATHER
+from tests.utils.serve import API_KEY, TOOLS, WEATHER
+
+pytestmark = pytest.mark.usefixtures("no_request_left_running")
 
 QUESTION = "What is the weather like in Paris?"
 FUNCTIONS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # the Responses API's tool shape

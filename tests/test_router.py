@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
 import time
 
@@ -28,8 +27,8 @@ from openai_frontend.replicas import (BLOCK_TOKENS, FALLOVER_EXCESS, PREFIX_BLOC
                                       least_outstanding, parse_urls, prefix_affine, prefix_key, rendezvous_order,
                                       resolve, round_robin)
 from openai_frontend.triton import Chunk, SampleDelta
-from test_openai_frontend import ServedApp
-from test_reliability import settled
+from tests.utils.serve import ServedApp, frontend_metrics
+from tests.utils.triton import settled
 from tools.triton_server import TritonServer, free_port, write_model_repository
 
 
@@ -201,16 +200,6 @@ def test_settings_and_flags():
     for bad in ({"routing": "random"}, {"triton_url": ["no-port"]}, {"triton_urls_file": "/nonexistent"}):
         with pytest.raises(ValueError):
             Settings(**bad).resolved()
-
-
-def frontend_metrics(url: str) -> dict[tuple[str, str], float]:
-    """(metric, replica) -> value for the frontend's per-replica metrics."""
-    values = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        match = re.match(r'(tritonllm_frontend_replica_\w+)\{replica="([^"]+)"\} (\S+)', line)
-        if match:
-            values[match.group(1), match.group(2)] = float(match.group(3))
-    return values
 
 
 def test_no_replica_reachable_is_503_everywhere(model_path):

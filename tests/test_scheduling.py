@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from backend import LLM, SamplingParams
+from tests.utils.models import BLOCK_BYTES_FP32
 
 SYSTEM = ("You are a meticulous assistant for a logistics company. Always answer with the shipment id, "
           "the current location, the expected delivery date and a short, polite explanation. ") * 5
 QUESTIONS = ["Where is shipment 4411?", "Why is order 17 late?", "Can I change my address?",
              "What does status HOLD mean?", "How do I return a parcel?", "Is Sunday delivery possible?",
              "My parcel is damaged, what now?", "Which carrier handles Norway?"]
-BLOCK_BYTES_FP32 = 2 * 30 * 16 * 3 * 64 * 4
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 

@@ -10,102 +10,30 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.test_triton_lifecycle import tiny_model
-from tools.serve import ADMIN_KEY_FILE, ADMIN_KEY_HEADER, API_KEY_ENV
-from tools.triton_server import SHM_REGION_PREFIX, free_port, remove_stale_shm_regions
+from tests.utils.serve import Serve, listening
+from tools.serve import ADMIN_KEY_HEADER
+from tools.triton_server import SHM_REGION_PREFIX, remove_stale_shm_regions
 
-API_KEY = "sk-security-test-0123456789"
-ROOT = Path(__file__).resolve().parent.parent
-
-
-class Serve:
-    """One `python -m tools.serve` in a workdir, with its ports."""
-
-    def __init__(self, work: Path, model: str, *flags: str) -> None:
-        self.work = work
-        work.mkdir(parents=True)
-        self.ports = {name: free_port() for name in ("port", "http-port", "grpc-port", "metrics-port")}
-        command = [sys.executable, "-m", "tools.serve", "--model", model, "--dtype", "float32",
-                   "--kv-cache-memory-bytes", str(8 << 20), "--max-model-len", "256", "--max-num-seqs", "4",
-                   "--workdir", str(work), *flags]
-        for name, port in self.ports.items():
-            command += [f"--{name}", str(port)]
-        env = {**os.environ, API_KEY_ENV: API_KEY}
-        self.output = open(work / "serve.out", "wb")
-        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.output, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
-        while not self.log().count("Ctrl-C stops everything"):
-            assert self.process.poll() is None, f"serve exited early:\n{self.log()[-3000:]}"
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(1)
-
-    def log(self) -> str:
-        return (self.work / "serve.out").read_text(errors="replace")
-
-    @property
-    def admin_key(self) -> str:
-        return (self.work / ADMIN_KEY_FILE).read_text().strip()
-
-    def triton(self, path: str, body: dict | None = None, admin: bool = False) -> tuple[int, str]:
-        """A request to Triton's HTTP port: (status, body)."""
-        headers = {ADMIN_KEY_HEADER: self.admin_key} if admin else {}
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{self.ports['http-port']}{path}", data, headers,
-                                         method="POST" if data is not None or "repository" in path else "GET")
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return response.status, response.read().decode()
-        except urllib.error.HTTPError as error:
-            return error.code, error.read().decode()
-
-    def descendants(self) -> list[psutil.Process]:
-        return psutil.Process(self.process.pid).children(recursive=True)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(90)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self.output.close()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, model_path):
-    return tiny_model(tmp_path_factory.mktemp("tiny"), model_path)
+API_KEY = "sk-security-test-0123456789"  # distinctive: no command line may hold it
 
 
 @pytest.fixture
-def serve(tmp_path, tiny):
+def serve(tmp_path, tiny_llama):
     """Starts `serve` with the given flags (one per test), stopped at the end of the test."""
     started = []
 
     def start(*flags: str) -> Serve:
-        started.append(Serve(tmp_path / f"serve{len(started)}", tiny, *flags))
+        started.append(Serve(tiny_llama, tmp_path / f"serve{len(started)}", "--max-num-seqs", "4", *flags,
+                             kv_cache_bytes=8 << 20, max_model_len=256, api_key=API_KEY))
         return started[-1]
 
     yield start
     for process in started:
         process.stop()
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_model_control_is_closed_and_a_dead_stub_stops_serve(serve):

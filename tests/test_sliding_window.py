@@ -11,6 +11,7 @@ import torch
 from backend import LLM, SamplingParams, ops
 from backend.config import EngineConfig, all_layers_window, resolve_limits
 from backend.core.kv_cache import NULL_BLOCK
+from tests.utils.models import tiny_model
 
 WINDOW = 16
 BLOCK_SIZE = 8
@@ -22,19 +23,13 @@ SHARED = PROMPTS[0][:32] + [17, 18, 19, 20, 21]  # a prefix-cache hit on the fir
 def mistral(tmp_path_factory):
     """(path, reference model): head_dim 64, so the C++ attention takes it; every parameter, norms
     included, moved away from its init."""
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import MistralConfig
 
     path = tmp_path_factory.mktemp("mistral")
-    torch.manual_seed(0)
     config = MistralConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=WINDOW,
                            max_position_embeddings=512, initializer_range=0.3)
-    model = MistralForCausalLM._from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * (0.3 if param.dim() == 1 else 0.02))
-    model.eval().save_pretrained(path)
-    return str(path), model
+    return str(path), tiny_model(path, config, perturb="all", attn_implementation="eager")
 
 
 def hf_tokens(model, prompt: list[int], max_tokens: int) -> list[int]:

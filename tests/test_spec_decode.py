@@ -12,7 +12,7 @@ import torch
 from backend import LLM, SamplingParams
 from backend.config import EngineConfig
 from backend.engine.spec_decode import ngram_proposal
-from tests.prompts import LONG_DOC
+from tests.utils.prompts import LONG_DOC
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 REPETITIVE = [
@@ -242,14 +242,15 @@ NUM_SAMPLES = 6000
 def tiny_model(tmp_path_factory):
     """A random Llama with an 8-token vocabulary whose next-token distributions are far from one-hot
     (drafts are accepted 10-20% of the time)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                         tie_word_embeddings=False, initializer_range=0.1)).eval()
+    from tests.utils import models
+
     path = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(path)
+    model = models.tiny_model(path, LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=64, tie_word_embeddings=False,
+                                                initializer_range=0.1))
     return str(path), model
 
 

@@ -19,8 +19,10 @@ import pytest
 from backend import LLM, SamplingParams
 from backend.errors import EngineError, parse_wire
 from backend.sampling_params import StructuredOutputsParams
-from test_openai_frontend import API_KEY, _no_request_left_running, client, model_name, serve  # noqa: F401
-from test_scheduling import BLOCK_BYTES_FP32
+from tests.utils.models import BLOCK_BYTES_FP32
+from tests.utils.serve import API_KEY
+
+pytestmark = pytest.mark.usefixtures("no_request_left_running")
 
 INT = lambda lo, hi: {"type": "integer", "minimum": lo, "maximum": hi}  # noqa: E731
 STR = lambda n: {"type": "string", "maxLength": n}  # noqa: E731

@@ -12,15 +12,10 @@ import pytest
 from openai_frontend.prompts import PromptBuilder
 from openai_frontend.tool_calls import ToolPlan
 from openai_frontend.tool_parsers import PARSERS, HermesParser, JsonParser
-from test_openai_frontend import API_KEY, _no_request_left_running, client, model_name, serve  # noqa: F401
+from tests.utils.serve import API_KEY, TOOLS, WEATHER
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now, in UTC."}}
-TOOLS = [WEATHER, TIME]
+pytestmark = pytest.mark.usefixtures("no_request_left_running")
+
 QUESTION = [{"role": "user", "content": "What is the weather like in Paris?"}]
 HERMES_ANSWER = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
                  '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')

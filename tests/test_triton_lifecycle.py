@@ -19,43 +19,20 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tools.triton_server import TritonServer, free_port, write_model_repository
-
-TIMEOUT_S = 120
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
-
-
-def tiny_model(folder: Path, model_path: str) -> str:
-    """Two layers of width 64 over SmolLM2's vocabulary, saved with its tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    LlamaForCausalLM(config).eval().save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        if (Path(model_path) / name).exists():
-            shutil.copy(Path(model_path) / name, folder / name)
-    return str(folder)
+from tests.utils import wait_for
+from tests.utils.triton import TIMEOUT_S, start_triton
+from tools.triton_server import TritonServer, write_model_repository
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, model_path):
+def server(tmp_path_factory, tiny_llama):
     work = tmp_path_factory.mktemp("lifecycle")
-    model = tiny_model(work / "tiny", model_path)
     repository = write_model_repository(work / "repository", {
-        "model": model, "dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "max_model_len": 256,
+        "model": tiny_llama, "dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "max_model_len": 256,
         "max_num_seqs": 8})
     shutil.rmtree(repository / "embeddings", ignore_errors=True)
-    server = TritonServer(repository, work, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port(), log_file=work / "triton.log",
-                          extra_args=["--exit-timeout-secs=10", "--model-control-mode=explicit",
-                                      "--load-model=llm"])
-    server.start()
+    server = start_triton(work)
     try:
-        server.wait_ready(300)
         yield server
     finally:
         assert server.stop() == 0, "tritonserver did not exit cleanly"
@@ -146,13 +123,6 @@ def answers(server: TritonServer) -> None:
     assert sum(len(r.as_numpy("text_output")) for r in responses if r.as_numpy("text_output") is not None) > 0
 
 
-def wait_for(condition, message: str, timeout: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {message}"
-        time.sleep(0.2)
-
-
 def scrape(server: TritonServer) -> dict[str, float]:
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         lines = response.read().decode().splitlines()
@@ -214,7 +184,7 @@ def test_ten_unloads_and_reloads_idle_and_under_streaming_load(server):
                 load.close()
         # Once the old instance is finalized (its stub gone), the new one's metrics still export:
         # before the fix the old one's deletion took the series the new one wrote to.
-        wait_for(lambda: len(server.stub_pids()) == 1, "the old instance's stub to exit")
+        wait_for(lambda: len(server.stub_pids()) == 1, TIMEOUT_S, "the old instance's stub to exit")
         before = scrape(server).get("vllm:request_success_total", 0.0)
         answers(server)
         after = scrape(server).get("vllm:request_success_total")

@@ -5,28 +5,26 @@ Texts are checked against the offline engine's greedy output on the same weights
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import queue
 import shutil
-import subprocess
 import time
 import urllib.request
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend import SamplingParams
-from tools.triton_server import TritonServer, free_port, write_model_repository
+from tests.utils import wait_for
+from tests.utils.triton import (TIMEOUT_S, Stream, generate, is_final, make_inputs, start_triton,
+                                stub_processes, texts, thread_count)
+from tools.triton_server import TritonServer, write_model_repository
 
 MAX_MODEL_LEN = 512
 PROMPT = "Hello, my name is"
-TIMEOUT_S = 120
 
 
 # For the health test: a copy of the model whose engine fails at every step after the 20th. The
@@ -62,13 +60,8 @@ def server(tmp_path_factory, model_path):
         "model": model_path, "dtype": "float32", "kv_cache_memory_bytes": 256 << 20,
         "max_model_len": MAX_MODEL_LEN})
     add_faulty_model(repository)
-    server = TritonServer(repository, work, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port(), log_file=work / "triton.log",
-                          extra_args=["--exit-timeout-secs=5", "--model-control-mode=explicit",
-                                      "--load-model=llm"])
-    server.start()
+    server = start_triton(work, exit_timeout_s=5)
     try:
-        server.wait_ready(300)
         yield server
     finally:
         assert server.stop() == 0, "tritonserver did not exit cleanly"
@@ -83,78 +76,6 @@ def greedy(llm):
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def make_inputs(prompt: str | list[int] | None, params: dict | str | None = None, **flags) -> list:
-    """The vLLM backend's tensors: text_input (or input_ids), sampling_parameters, BOOL flags."""
-    inputs = []
-
-    def add(name, array, datatype):
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-
-    if isinstance(prompt, str):
-        add("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES")
-    elif prompt is not None:
-        add("input_ids", np.array(prompt, dtype=np.int32), "INT32")
-    if params is not None:
-        text = params if isinstance(params, str) else json.dumps(params)
-        add("sampling_parameters", np.array([text.encode()], dtype=np.object_), "BYTES")
-    for name, value in flags.items():
-        add(name, np.array([value]), "BOOL")
-    return inputs
-
-
-class Stream:
-    """One gRPC bidirectional stream; responses collected per request id, final flags counted."""
-
-    def __init__(self, url: str) -> None:
-        self.client = grpcclient.InferenceServerClient(url)
-        self.events: queue.Queue = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.events.put((result, error)))
-
-    def send(self, inputs: list, request_id: str = "", model: str = "llm") -> None:
-        self.client.async_stream_infer(model, inputs, request_id=request_id,
-                                       enable_empty_final_response=True)
-
-    def next(self):
-        return self.events.get(timeout=TIMEOUT_S)
-
-    def collect(self, request_id: str = "") -> list:
-        """Responses of one request up to and including its final one; errors raise."""
-        responses = []
-        while True:
-            result, error = self.next()
-            if error is not None:
-                raise error
-            assert result.get_response().id == request_id
-            responses.append(result)
-            if is_final(result):
-                return responses
-
-    def close(self, cancel: bool = False) -> None:
-        self.client.stop_stream(cancel_requests=cancel)
-        self.client.close()
-
-
-def is_final(result) -> bool:
-    return result.get_response().parameters["triton_final_response"].bool_param
-
-
-def texts(result) -> list[str]:
-    array = result.as_numpy("text_output")
-    return [] if array is None else [t.decode() for t in array]
-
-
-def generate(server: TritonServer, prompt: str | list[int] | None, params: dict | str | None = None,
-             **flags) -> list:
-    stream = Stream(server.grpc_url)
-    try:
-        stream.send(make_inputs(prompt, params, **flags))
-        return stream.collect()
-    finally:
-        stream.close()
-
-
 def metrics(server: TritonServer) -> dict[str, float]:
     """The model's vllm:* series from the metrics port, keyed by name (and `le` for buckets), summed
     over their other labels."""
@@ -179,31 +100,6 @@ def settled_metrics(server: TritonServer) -> dict[str, float]:
         if current == previous:
             return current
         previous = current
-
-
-@contextlib.contextmanager
-def llm_server(work: Path, engine_args: dict, clean_exit: bool = True, exit_timeout_s: int = 5):
-    """A tritonserver serving only `llm` with these engine arguments, stopped on leaving (and
-    required to exit cleanly unless clean_exit is False)."""
-    repository = write_model_repository(work / "repository", engine_args)
-    server = TritonServer(repository, work, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port(), log_file=work / "triton.log",
-                          extra_args=[f"--exit-timeout-secs={exit_timeout_s}", "--model-control-mode=explicit",
-                                      "--load-model=llm"])
-    server.start()
-    try:
-        server.wait_ready(300)
-        yield server
-    finally:
-        code = server.stop()
-        assert code == 0 or not clean_exit, "tritonserver did not exit cleanly"
-
-
-def wait_for(condition, timeout: float = 30.0, message: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {message}"
-        time.sleep(0.2)
 
 
 def post_json(url: str, body: dict) -> str:
@@ -411,16 +307,6 @@ def test_engine_failure_fails_requests_and_unloads_the_model(server):
     [result] = generate(server, PROMPT, {"temperature": 0, "max_tokens": 2})  # the healthy model serves
     assert texts(result)[0].startswith(PROMPT)
     client.close()
-
-
-def stub_processes(server: TritonServer) -> list[int]:
-    out = subprocess.run(["ps", "--ppid", str(server.process.pid), "-o", "pid=,comm="],
-                         capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if "triton_python" in line]
-
-
-def thread_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/task"))
 
 
 def test_unload_drains_and_reload_leaves_nothing_behind(server):

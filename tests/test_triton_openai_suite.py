@@ -16,7 +16,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.test_openai_frontend import API_KEY, AUTH, MAX_MODEL_LEN, model_name, running_serve  # noqa: F401
+from tests.utils.serve import AUTH, Serve
 
 PROMPT = "What is machine learning?"
 MESSAGES = [{"role": "user", "content": PROMPT}]
@@ -28,8 +28,8 @@ START_TIMEOUT_S = 900  # two models load on a shared CPU
 def serve(tmp_path_factory, model_path):
     """`tritonllm serve` (Triton with the llm and embeddings models, and the frontend), as
     test_openai_frontend.py starts it."""
-    with running_serve(model_path, tmp_path_factory.mktemp("suite"), kv_cache_bytes=128 << 20,
-                       start_timeout=START_TIMEOUT_S, stop_timeout=120) as served:
+    with Serve(model_path, tmp_path_factory.mktemp("suite"), kv_cache_bytes=128 << 20,
+               start_timeout=START_TIMEOUT_S, stop_timeout=120) as served:
         yield served
 
 

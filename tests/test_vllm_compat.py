@@ -274,14 +274,15 @@ def test_serve_refuses_trust_remote_code_before_starting_anything(tmp_path):
 def test_serve_no_frontend_runs_triton_only(tmp_path, model_path):
     """A scale-out replica: Triton's ports answer, the OpenAI port stays closed; vLLM's log flags and
     a hub id with --revision (from the local Hugging Face cache) are accepted."""
-    from tests.test_security import Serve, listening
+    from tests.utils.serve import Serve, listening
 
     fake_hf_cache(tmp_path / "hf", model_path)
     saved = os.environ.get("HF_HOME")
     os.environ["HF_HOME"] = str(tmp_path / "hf")
     try:
-        serve = Serve(tmp_path / "serve", HUB_ID, "--no-frontend", "--revision", "v1", "--disable-log-stats",
-                      "--disable-log-requests", "--generation-config", "vllm")
+        serve = Serve(HUB_ID, tmp_path / "serve", "--no-frontend", "--revision", "v1", "--disable-log-stats",
+                      "--disable-log-requests", "--generation-config", "vllm", "--max-num-seqs", "4",
+                      kv_cache_bytes=8 << 20, max_model_len=256)
     finally:
         os.environ.pop("HF_HOME") if saved is None else os.environ.__setitem__("HF_HOME", saved)
     try:
@@ -427,14 +428,13 @@ def test_serve_prompt_tokens_details_chat_template_and_openai_priority(tmp_path,
     --chat-template reaches the frontend; the OpenAI `priority` field reaches priority scheduling."""
     import httpx
 
-    from tests.test_security import API_KEY, Serve
+    from tests.utils.serve import AUTH, Serve
 
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    serve = Serve(tmp_path / "serve", model_path, "--enable-prompt-tokens-details", "--chat-template", template,
-                  "--scheduling-policy", "priority")
+    serve = Serve(model_path, tmp_path / "serve", "--enable-prompt-tokens-details", "--chat-template", template,
+                  "--scheduling-policy", "priority", "--max-num-seqs", "4", kv_cache_bytes=8 << 20, max_model_len=256)
     try:
-        url = f"http://127.0.0.1:{serve.ports['port']}/v1"
-        auth = {"Authorization": f"Bearer {API_KEY}"}
+        url, auth = f"{serve.url}/v1", AUTH
         prompt = "A long shared system prompt that spans a few KV blocks of sixteen tokens each, " * 2
         body = {"model": Path(model_path).name, "prompt": prompt, "max_tokens": 2, "temperature": 0}
         first = httpx.post(f"{url}/completions", json=body, headers=auth, timeout=120).json()
