@@ -1,7 +1,8 @@
 """`tritonllm serve` as an attacker and an operator meet it (issue 26): Triton's model control is
 closed (no unload, no load with a `file:` override), its repository, logging and trace APIs need
 the admin key, the API key sits on no command line, a dead llm stub makes serve exit non-zero,
-and `kill -9` of serve leaves no process and no listening port behind.
+and `kill -9` of serve leaves no process and no listening port behind; every server binds loopback by
+default.
 
 Each test runs the real `serve` (tritonserver, both stubs, the frontend) on a tiny random Llama.
 """
@@ -55,12 +56,16 @@ def test_model_control_is_closed_and_a_dead_stub_stops_serve(serve):
     assert serve.triton("/v2/models/llm/ready")[0] == 200
     assert not (serve.work / "model_repository" / "evil").exists()
 
-    # The key is on no command line (`ps` shows those to every user); Triton listens on loopback.
+    # The key is on no command line (`ps` shows those to every user); Triton and the frontend listen
+    # on loopback.
     for process in [psutil.Process(serve.process.pid), *serve.descendants()]:
         assert API_KEY not in " ".join(process.cmdline()), process.cmdline()
     triton = next(p for p in serve.descendants() if p.name() == "tritonserver")
-    addresses = {ipaddress.ip_address(c.laddr.ip) for c in triton.net_connections("tcp") if c.status == "LISTEN"}
-    assert addresses and all((getattr(a, "ipv4_mapped", None) or a).is_loopback for a in addresses), addresses
+    frontend = next(p for p in serve.descendants() if "openai_frontend" in " ".join(p.cmdline()))
+    for server in (triton, frontend):
+        addresses = {ipaddress.ip_address(c.laddr.ip) for c in server.net_connections("tcp") if c.status == "LISTEN"}
+        assert addresses and all((getattr(a, "ipv4_mapped", None) or a).is_loopback for a in addresses), \
+            (server.cmdline(), addresses)
 
     # The llm stub dies: serve notices, kills the rest and exits non-zero for its supervisor.
     [stub] = [p for p in serve.descendants() if "triton_python_backend_stub" in " ".join(p.cmdline()[:1])
@@ -71,6 +76,24 @@ def test_model_control_is_closed_and_a_dead_stub_stops_serve(serve):
     assert "stub died" in serve.log()
     gone, alive = psutil.wait_procs(others, timeout=10)
     assert not alive, alive
+
+
+def test_servers_default_to_loopback():
+    """Every server binds loopback unless told otherwise: serve's frontend and Triton, the frontend
+    run alone, and Triton as tools/triton_server.py starts it (bench, tests)."""
+    import argparse
+    import inspect
+
+    from openai_frontend import Settings
+    from tools.serve import add_serve_arguments
+    from tools.triton_server import TritonServer
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    defaults = parser.parse_args([])
+    assert (defaults.host, defaults.triton_host) == ("127.0.0.1", "127.0.0.1")
+    assert Settings().host == "127.0.0.1"
+    assert inspect.signature(TritonServer).parameters["host"].default == "127.0.0.1"
 
 
 def test_explicit_control_needs_the_admin_key_and_kill_9_of_serve_leaves_nothing(serve):

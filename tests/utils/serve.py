@@ -55,7 +55,7 @@ class Serve:
         self.url = f"http://127.0.0.1:{self.ports['port']}"  # the OpenAI frontend
         self.grpc_url = f"127.0.0.1:{self.ports['grpc-port']}"  # Triton's
         self.metrics_url = f"http://127.0.0.1:{self.ports['metrics-port']}/metrics"  # the engine's, from Triton
-        self.output = open(self.work / "serve.out", "wb")
+        self.output = open(self.work / "serve.log", "wb")
         env = {name: value for name, value in (env or os.environ).items() if name != API_KEY_ENV}
         if api_key is not None:  # None: the frontend asks for no key
             env[API_KEY_ENV] = api_key
@@ -74,7 +74,7 @@ class Serve:
         self.stop()
 
     def log(self) -> str:
-        return (self.work / "serve.out").read_text(errors="replace")
+        return (self.work / "serve.log").read_text(errors="replace")
 
     @property
     def admin_key(self) -> str:
