@@ -5,7 +5,8 @@ the output projection (bias optional).
 
 Tensor parallelism: q/k/v are column-parallel (each rank its heads; KV heads are replicated when
 ranks outnumber them), o_proj row-parallel with an all-reduce after it (its bias, if any, lives on
-rank 0 only, so it is added once).
+rank 0 only, so it is added once), the sinks split with the heads: the block names these loaders
+for its parameters (`weight_loaders`, `layers/sharding.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from backend.worker import parallel_state
 from backend.ops.attention import AttentionMetadata
 from backend.layers.norm import RMSNorm
 from backend.layers.rotary import apply_rotary
+from backend.layers.sharding import Part, column_parallel, head_rows, output_rows, packed, row_parallel
 from backend.worker.parallel_state import ParallelState
 
 
@@ -43,6 +45,10 @@ class Attention(nn.Module):
         self.sliding_window = args.sliding_windows[layer_id] if args.sliding_windows else None
         self.logits_soft_cap = args.attn_logit_softcap
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if args.attention_sinks else None  # this rank's heads
+        q = Part(args.num_heads * args.head_dim, self.q_size, output_rows(parallel))
+        kv = Part(args.num_kv_heads * args.head_dim, self.kv_size, head_rows(parallel, args.num_kv_heads))
+        self.weight_loaders = {"qkv_proj": packed([q, kv, kv], tp), "o_proj": row_parallel(parallel),
+                               "sinks": column_parallel(parallel)}
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

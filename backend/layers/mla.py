@@ -24,7 +24,8 @@ q_proj) and kv_a_proj_with_mqa are permuted once after loading (`after_load`), s
 rotate-half RoPE gives Hugging Face's numbers with no per-step shuffle.
 
 Tensor parallelism splits the heads (q_b_proj / q_proj and kv_b_proj column-parallel, o_proj
-row-parallel); the latent, the q/kv down-projections and their norms are replicated.
+row-parallel); the latent, the q/kv down-projections and their norms are replicated
+(`weight_loaders`, `layers/sharding.py`). The checkpoint's names are the layer's own.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from backend.worker import parallel_state
 from backend.ops.attention import AttentionMetadata
 from backend.layers.norm import RMSNorm
 from backend.layers.rotary import apply_rotary
+from backend.layers.sharding import column_parallel, row_parallel
 from backend.worker.parallel_state import ParallelState
 
 NORM_EPS = 1e-6  # Hugging Face's q_a_layernorm and kv_a_layernorm keep the default eps, not rms_norm_eps
@@ -98,6 +100,8 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = Weight(self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
         self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, hidden, bias=args.o_bias)
         self.scale = args.attention_scale if args.attention_scale is not None else mla.qk_head_dim ** -0.5
+        heads = column_parallel(parallel)
+        self.weight_loaders = {"q_proj": heads, "q_b_proj": heads, "kv_b_proj": heads, "o_proj": row_parallel(parallel)}
 
     def after_load(self) -> None:
         """Undo the checkpoint's interleaved rope layout: rows (x0, x1, x2, x3, ...) of each rope

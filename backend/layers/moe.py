@@ -11,7 +11,7 @@ Then optionally `norm_topk_prob` (weights renormalised to sum to 1) and `routed_
 Compute: each expert is two plain nn.Linear layers (`experts.{e}.gate_up_proj`, `.down_proj`), so the
 dense layers' machinery applies to experts unchanged: the CPU's packed bfloat16 linears
 (`cpu_ops.pack_linears`), load-time int8/fp8 quantization (`quantization.decoder_linears` matches
-them by name) and tensor-parallel sharding (`CausalLM.shard`, by the gate/up/down names). On the
+them by name) and tensor-parallel sharding (the same loaders as the dense MLP's, `layers/sharding.py`). On the
 CPU, tokens are grouped by expert: the (token, expert) pairs are sorted by expert id, each expert
 runs one GEMM over its rows, and the weighted rows are added back per token with one index_add_
 (same per-token summation order as Hugging Face, experts ascending). In bfloat16 at a few tokens
@@ -19,7 +19,7 @@ runs one GEMM over its rows, and the weighted rows are added back per token with
 all of it instead (`backend/csrc/cpu_moe.cpp`, `cpu_ops.moe_experts`); its experts' linears then
 stay plain nn.Linear (not packed for oneDNN), so the kernel and the grouped GEMMs of larger
 batches read the same single copy of the weights (those GEMMs pay oneDNN's per-call weight reorder
-instead: a 256-token MoE layer ~1.45x slower; a packed copy too would double the experts' memory). On CUDA (or CPU tensors inside
+instead, docs/benchmarks.md has the cost; a packed copy too would double the experts' memory). On CUDA (or CPU tensors inside
 `ops.triton_kernels()`), the fused Triton kernel (`backend/kernels/fused_moe.py`, `ops.fused_moe`)
 runs instead. Both kernels take the experts' weights stacked once into [E, N, K] tensors (the
 nn.Linear weights become views of them, so nothing is held twice).
@@ -30,6 +30,10 @@ one all-reduce after routed + shared outputs are summed. Not expert parallelism 
 whole experts): that needs an all-to-all of tokens and its speed hangs on the routing's balance,
 while intermediate sharding splits each expert's work evenly whatever the routing, reuses the
 dense MLP's sharding and costs the same single all-reduce per layer as a dense MLP.
+
+Checkpoint names (`checkpoint_tensors`, which the families' mappings apply): the layer's modules
+under the names Mixtral (block_sparse_moe, w1/w3/w2), DeepSeek (shared_experts) and gpt-oss (router)
+store them, and fused 3D expert tensors split into per-expert gate/up/down.
 
 Expert activation is pluggable: `EXPERT_ACTIVATIONS[name](gate_up, x, moe)` returns the input of
 `down_proj`; the gated SiLU/GELU of the dense MLP are registered here, gpt-oss's clamped SwiGLU (with
@@ -53,6 +57,7 @@ from backend import ops
 from backend.worker import parallel_state
 from backend.errors import EngineError
 from backend.layers.activation import gated_activation
+from backend.layers.sharding import Part, output_rows, packed, row_parallel
 from backend.worker.parallel_state import ParallelState
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
@@ -108,12 +113,16 @@ class GatedMLP(nn.Module):
     """One expert (routed or shared): down(act(gate_up(x))), without the all-reduce (the MoE layer
     reduces once for all of them)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, moe: MoEArgs,
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, moe: MoEArgs, parallel: ParallelState,
                  routed: bool = False) -> None:
         super().__init__()
         self.moe, self.routed = moe, routed
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        local = intermediate_size // parallel.tp_size  # sharded along the intermediate dim, as the dense MLP
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * local, bias=bias)
+        self.down_proj = nn.Linear(local, hidden_size, bias=bias)
+        gate_or_up = Part(intermediate_size, local, output_rows(parallel))
+        self.weight_loaders = {"gate_up_proj": packed([gate_or_up, gate_or_up], parallel.tp_size),
+                               "down_proj": row_parallel(parallel)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(EXPERT_ACTIVATIONS[self.moe.activation](self.gate_up_proj, x, self.moe))
@@ -218,11 +227,10 @@ class SparseMoE(nn.Module):
             raise EngineError("model", f"expert activation {moe.activation!r} is not supported "
                                        f"(supported: {', '.join(EXPERT_ACTIVATIONS)})")
         self.moe, self.parallel = moe, parallel
-        tp = parallel.tp_size
         self.gate = Router(hidden_size, moe)
-        self.experts = nn.ModuleList(GatedMLP(hidden_size, moe.intermediate_size // tp, moe.expert_bias, moe, routed=True)
-                                     for _ in range(moe.num_experts))
-        self.shared_expert = (GatedMLP(hidden_size, moe.shared_intermediate_size // tp, False, moe)
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, moe.intermediate_size, moe.expert_bias, moe, parallel,
+                                              routed=True) for _ in range(moe.num_experts))
+        self.shared_expert = (GatedMLP(hidden_size, moe.shared_intermediate_size, False, moe, parallel)
                               if moe.shared_intermediate_size else None)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if moe.shared_expert_gate else None
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13 [E, 2I, H], w2 [E, H, I]) for the kernel
@@ -283,7 +291,8 @@ def checkpoint_tensors(name: str, tensor: torch.Tensor, moe: MoEArgs) -> list[tu
     """An MoE checkpoint tensor under the names the dense loader knows: Mixtral's block_sparse_moe /
     w1 w3 w2, DeepSeek's shared_experts and gpt-oss's router renamed, and the fused 3D expert tensors
     (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I], their biases) split
-    into per-expert gate_proj / up_proj / down_proj, which the loader shards and fuses as a dense MLP's."""
+    into per-expert gate_proj / up_proj / down_proj, which each expert's loaders shard and pack as a
+    dense MLP's."""
     parts = name.split(".")
     if "layers" not in parts or len(parts) < 4:
         return [(name, tensor)]

@@ -1,7 +1,7 @@
 """RMSNorm on the fast ops (`ops.rms_norm`, and `ops.add_rms_norm` where a residual joins first).
 
 Gemma's norms scale by (1 + w): the offset is added to the weight once, as the checkpoint loads
-(`load_offset`), so they run the same kernel. In float32 that is Hugging Face's result bit for bit;
+(`load_offset`, the weight's loader), so they run the same kernel. In float32 that is Hugging Face's result bit for bit;
 in bfloat16 the sum 1 + w is rounded to bfloat16 where Hugging Face keeps it in float32.
 """
 
@@ -19,6 +19,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.load_offset = load_offset  # added to the checkpoint's weight as it loads (Gemma: 1.0)
+        if load_offset:
+            self.weight_loaders = {"weight": self.load_with_offset}
+
+    def load_with_offset(self, param: torch.Tensor, tensor: torch.Tensor, part: int | None = None) -> None:
+        param.copy_(tensor)
+        param += self.load_offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with a residual, (norm(x + residual), x + residual)."""

@@ -4,7 +4,7 @@ the adapters' weights in `max_loras` slots (an LRU), and the step's token-to-slo
 Model-agnostic: after a model is built and loaded, every child module named like a projection LoRA
 targets (fused `qkv_proj` / `gate_up_proj` and plain `o_proj` / `down_proj`, or unfused q/k/v/gate/up
 where a family keeps them apart) is wrapped in a `LoRALinear`. peft names its modules as the
-checkpoint does; `model.FUSED` maps q/k/v (gate/up) to slices of the fused outputs, and
+checkpoint does; `model.packed_modules_mapping` maps q/k/v (gate/up) to slices of the fused outputs, and
 `model.local_name` maps checkpoint names to the model's own.
 
 A wrapped layer holds, per slot, A as [slices * max_lora_rank, in] and B as [out, slices * max_lora_rank]:
@@ -17,10 +17,9 @@ delta in one call of a C++ kernel (backend/csrc/cpu_lora.cpp: shrink, then expan
 dot products in bfloat16) over its own copies of the weights (A^T, B^T, rank columns padded to
 whole vectors, pair-packed for the dot products); larger steps (prefills) run two GEMMs per
 segment, where oneDNN's GEMMs (AMX where the CPU has it) run at full speed. Only the rank columns
-some segment's slot fills are multiplied. SmolLM2 with 4 adapters of rank 16 on all 7 projections, a 64-token
-decode step: two batched torch GEMMs per projection took ~230 us a projection (30-40 us of fixed
-cost per oneDNN call, the adapters' weights from memory); the kernel takes 78-195 us a projection
-(`python -m tools.bench_lora`: 0.61x -> 0.85x of the base model).
+some segment's slot fills are multiplied. The kernel beats two batched torch GEMMs per projection at
+decode sizes, where oneDNN's fixed cost per call dominates (`python -m tools.bench_lora`; the
+figures are in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -179,7 +178,7 @@ class LoRAModel:
         self.max_loras = max_loras
         self.max_rank = max_lora_rank
         self.context = LoRAContext()
-        self.fused = getattr(model, "FUSED", DEFAULT_FUSED)
+        self.fused = getattr(model, "packed_modules_mapping", DEFAULT_FUSED)
         self.layers: dict[str, LoRALinear] = {}
         for parent_name, parent in list(model.named_modules()):
             for name, child in list(parent.named_children()):

@@ -2,7 +2,9 @@
 one by the `architectures` of a model's config.json. Every family is the dense decoder of
 `decoder.py` with its options read from the config by a short mapping (`llama.py`, `gemma.py`,
 `phi3.py`, `olmo2.py`; the mixtures of experts `mixtral.py`, `qwen_moe.py`, whose sparse layers
-put `layers/moe.py` in the MLP's slot); the shared building blocks live in `layers/`."""
+put `layers/moe.py` in the MLP's slot); the shared building blocks live in `layers/`. Each family's
+mapping also names its checkpoint's weights (`ModelArgs.packed_modules_mapping`,
+`ModelArgs.checkpoint_names`), which `loading.py` applies."""
 
 from __future__ import annotations
 

@@ -10,13 +10,16 @@ Tensor parallelism (Megatron style): q/k/v and gate/up are column-parallel, o_pr
 row-parallel with an all-reduce after them (their biases on rank 0 only), the embedding and LM head
 split by vocabulary; norms, per-head q/k norms included, are replicated. Mixture-of-experts layers
 (`layers/moe.py`) take the MLP's slot on the layers `MoEArgs.sparse_layers` marks. Layers stay plain
-nn.Linear, sharded as the weights load. Pipeline parallelism gives each stage a contiguous run of
-layers; the first embeds, the last normalises and computes logits.
+nn.Linear, sharded as the weights load: each layer names its parameters' loaders
+(`layers/sharding.py`), and `models/loading.py` fills them under the names the family's mapping
+gives (`ModelArgs.packed_modules_mapping`, `ModelArgs.checkpoint_names`). Pipeline parallelism gives
+each stage a contiguous run of layers; the first embeds, the last normalises and computes logits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,12 +30,19 @@ from backend.ops.attention import AttentionMetadata
 from backend.layers.activation import gated_activation
 from backend.layers.attention import Attention
 from backend.layers.mla import LatentAttention, LatentAttentionArgs
-from backend.layers.moe import MoEArgs, SparseMoE, checkpoint_tensors
+from backend.layers.moe import MoEArgs, SparseMoE
 from backend.layers.norm import RMSNorm
 from backend.layers.rotary import rope_tables
+from backend.layers.sharding import Part, output_rows, packed, row_parallel, vocab_parallel
 from backend.worker.parallel_state import ParallelState
 
 LAYOUTS = ("pre", "sandwich", "post")
+# (checkpoint name, tensor, the model's args) -> (name, tensor) pairs under the decoder's names
+CheckpointNames = Callable[[str, torch.Tensor, "ModelArgs"], list[tuple[str, torch.Tensor]]]
+
+
+def as_stored(name: str, tensor: torch.Tensor, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
+    return [(name, tensor)]
 
 
 @dataclass
@@ -68,6 +78,10 @@ class ModelArgs:
     moe: MoEArgs | None = None  # mixture-of-experts families: the MLP of their sparse layers
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
     mla: LatentAttentionArgs | None = None  # DeepSeek: multi-head latent attention (head_dim: its rope part)
+    # The family's checkpoint names (`models/loading.py`): checkpoint layers packed into one of ours
+    # (q_proj -> (qkv_proj, 0)), and its renames and splits into the decoder's names.
+    packed_modules_mapping: dict[str, tuple[str, int]] = field(default_factory=dict)
+    checkpoint_names: CheckpointNames = as_stored
 
     def kv_cache_entry(self, tp: int = 1) -> tuple[int, int, int]:
         """(parts, KV heads, width) of one token's KV-cache entry in one layer on one tensor rank:
@@ -117,6 +131,9 @@ class MLP(nn.Module):
         intermediate = args.intermediate_size // parallel.tp_size
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * intermediate, bias=args.mlp_bias)
         self.down_proj = nn.Linear(intermediate, args.hidden_size, bias=args.mlp_bias)
+        gate_or_up = Part(args.intermediate_size, intermediate, output_rows(parallel))
+        self.weight_loaders = {"gate_up_proj": packed([gate_or_up, gate_or_up], parallel.tp_size),
+                               "down_proj": row_parallel(parallel)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.down_proj(gated_activation(self.gate_up_proj, x, self.activation))
@@ -185,6 +202,9 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args, parallel, i) for i in self.layer_ids)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset) if parallel.is_last_stage else None
         self.lm_head = nn.Linear(args.hidden_size, self.vocab_per_rank, bias=False) if parallel.is_last_stage else None
+        vocab = vocab_parallel(parallel, self.vocab_per_rank)
+        self.weight_loaders = {"embed_tokens": vocab, "lm_head": vocab}
+        self.packed_modules_mapping = args.packed_modules_mapping
         # Each distinct RoPE (Gemma 3: local and global) gets one table; layers index theirs.
         ropes = [args.rope_for_layer(i) for i in self.layer_ids]
         self.rope_params = [r for i, r in enumerate(ropes) if r not in ropes[:i]]
@@ -256,33 +276,14 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    # -- loading -----------------------------------------------------------------------------------
-    # Hugging Face checkpoint names -> ours. Separate q/k/v and gate/up are fused on load; a
-    # checkpoint that stores them fused (Phi-3) is split first, so that every rank takes its shard.
-    FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-    def split_fused(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """A checkpoint's fused qkv_proj / gate_up_proj tensor as its parts' (name, tensor)."""
-        parts = name.split(".")
-        if len(parts) < 2 or parts[-2] not in ("qkv_proj", "gate_up_proj"):
-            return [(name, tensor)]
-        args = self.args
-        if parts[-2] == "qkv_proj":
-            sizes = {"q_proj": args.num_heads * args.head_dim, "k_proj": args.num_kv_heads * args.head_dim,
-                     "v_proj": args.num_kv_heads * args.head_dim}
-        else:
-            sizes = {"gate_proj": args.intermediate_size, "up_proj": args.intermediate_size}
-        if tensor.shape[0] != sum(sizes.values()):  # a quantized layout: already ours on one rank
-            if self.parallel.tp_size > 1:
-                raise ValueError(f"{name}: a fused quantized checkpoint tensor cannot be split for tensor parallelism")
-            return [(name, tensor)]
-        prefix = ".".join(parts[:-2])
-        return [(f"{prefix}.{part}.{parts[-1]}", piece)
-                for part, piece in zip(sizes, tensor.split(list(sizes.values())))]
+    # -- loading (`models/loading.py`) ---------------------------------------------------------------
+    def checkpoint_names(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A checkpoint tensor as (name, tensor) pairs under the decoder's names (the family's mapping)."""
+        return self.args.checkpoint_names(name, tensor, self.args)
 
     def local_name(self, name: str) -> str | None:
-        """A checkpoint name as this stage's parameter name, or None when another stage holds it."""
+        """A checkpoint name (less the family's renames) as this stage's parameter name, or None when
+        another stage holds it."""
         name = name.removeprefix("model.")
         parts = name.split(".")
         if parts[0] == "layers":
@@ -297,83 +298,3 @@ class CausalLM(nn.Module):
         if name.startswith("norm.") and self.norm is None:
             return None
         return name
-
-    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This tensor rank's slice of a checkpoint tensor (by its Hugging Face module name)."""
-        tp, rank = self.parallel.tp_size, self.parallel.tp_rank
-        if tp == 1:
-            return tensor
-        module = name.split(".")[-2]
-        if module in ("q_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj") or name.endswith("self_attn.sinks"):
-            return tensor.chunk(tp, dim=0)[rank]
-        if module in ("k_proj", "v_proj"):
-            kv_heads = self.args.num_kv_heads
-            if kv_heads % tp == 0:
-                return tensor.chunk(tp, dim=0)[rank]
-            head = rank * kv_heads // tp  # fewer KV heads than ranks: replicated
-            return tensor.view(kv_heads, -1, *tensor.shape[1:])[head]
-        if module in ("o_proj", "down_proj"):
-            if tensor.dim() == 1:  # a bias: added once, after the all-reduce sums the ranks
-                return tensor if rank == 0 else torch.zeros_like(tensor)
-            return tensor.chunk(tp, dim=1)[rank]
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            padded = torch.zeros(self.vocab_per_rank * tp, tensor.shape[1], dtype=tensor.dtype)
-            padded[:tensor.shape[0]] = tensor
-            return padded[self.vocab_start:self.vocab_start + self.vocab_per_rank]
-        return tensor  # norms: replicated
-
-    def fuse_shards(self, target: str, shards: list[torch.Tensor]) -> torch.Tensor:
-        """q/k/v (gate/up) as one tensor: joined along nn.Linear's output dim 0, or along the dim a
-        quantized module's `fused_dims` names for that tensor; None there means one copy shared by
-        all shards (GPTQ's g_idx)."""
-        module, _, tensor_name = target.rpartition(".")
-        dim = getattr(self.get_submodule(module), "fused_dims", {}).get(tensor_name, 0)
-        if dim is not None:
-            return torch.cat(shards, dim)
-        if any(not torch.equal(shard, shards[0]) for shard in shards[1:]):
-            raise ValueError(f"{target}: the fused layers' copies differ")
-        return shards[0]
-
-    def load_weights(self, weights) -> None:
-        """weights: iterable of (hf_name, tensor); each rank keeps its stage's layers and its shard."""
-        params = dict(self.named_parameters())
-        pending: dict[str, dict[int, torch.Tensor]] = {}
-        loaded: set[str] = set()
-        for checkpoint_name, checkpoint_tensor in weights:
-            if "rotary_emb" in checkpoint_name:
-                continue
-            pieces = ([(checkpoint_name, checkpoint_tensor)] if self.args.moe is None
-                      else checkpoint_tensors(checkpoint_name, checkpoint_tensor, self.args.moe))
-            for name, tensor in (piece for pair in pieces for piece in self.split_fused(*pair)):
-                local = self.local_name(name)
-                if local is None:
-                    continue
-                tensor = self.shard(name, tensor)
-                name = local
-                parts = name.split(".")
-                fused = self.FUSED.get(parts[-2]) if len(parts) >= 2 else None
-                if fused is not None and name not in params:  # (a model's own q_proj, as DeepSeek's, stays whole)
-                    target = ".".join(parts[:-2] + [fused[0], parts[-1]])
-                    pending.setdefault(target, {})[fused[1]] = tensor
-                    expected = 3 if fused[0] == "qkv_proj" else 2
-                    if len(pending[target]) < expected:
-                        continue
-                    shards = pending.pop(target)
-                    tensor = self.fuse_shards(target, [shards[i] for i in range(expected)])
-                    name = target
-                if name not in params:
-                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
-                with torch.no_grad():
-                    params[name].copy_(tensor)
-                loaded.add(name)
-        missing = set(params) - loaded
-        if self.tied:
-            missing.discard("lm_head.weight")
-        if missing or pending:
-            raise ValueError(f"checkpoint lacks weights: {sorted(missing | set(pending))[:5]}")
-        with torch.no_grad():
-            for module in self.modules():
-                if isinstance(module, RMSNorm) and module.load_offset:
-                    module.weight += module.load_offset
-                if hasattr(module, "after_load"):  # a layer reworking its loaded weights (MLA's rope rows)
-                    module.after_load()

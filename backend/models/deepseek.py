@@ -1,7 +1,8 @@
 """DeepSeek-V3 (and its tiny-config relatives): multi-head latent attention (`layers/mla.py`) with
 an optional low-rank query, DeepSeek's yarn RoPE (the softmax scale grows by mscale(factor,
 mscale_all_dim)^2) on interleaved rope dims, dense MLPs for the first `first_k_dense_replace`
-layers and mixture-of-experts layers after them."""
+layers and mixture-of-experts layers after them. Its checkpoint keeps latent attention's projections
+apart (their names are `layers/mla.py`'s own); only gate/up are packed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from typing import Any
 from backend.models.decoder import ModelArgs
 from backend.layers.mla import LatentAttentionArgs
 from backend.layers.moe import MoEArgs, sparse_layers
-from backend.models.llama import dense_args
+from backend.models.llama import PACKED_MODULES, dense_args
+
+GATE_UP = {name: target for name, target in PACKED_MODULES.items() if target[0] == "gate_up_proj"}
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -47,7 +50,7 @@ def deepseek_v3(config: dict[str, Any]) -> ModelArgs:
         if not any(moe.sparse_layers):
             moe = None
     args = dense_args(config, head_dim=mla.qk_rope_head_dim, num_kv_heads=config["num_attention_heads"], mla=mla,
-                      moe=moe, sliding_windows=())
+                      moe=moe, sliding_windows=(), packed_modules_mapping=GATE_UP)
     args.attention_scale = softmax_scale(mla, args.rope)
     return args
 

@@ -1,15 +1,33 @@
 """The Llama-shaped families: pre-norm RMSNorm decoders with SwiGLU, differing in biases, q/k norms
 and scalings. Llama 2/3 (SmolLM), Mistral (a sliding window on every layer), Qwen2 (q/k/v
 biases), Qwen3 (per-head q/k norms), Granite (embedding, attention, residual and logits
-multipliers)."""
+multipliers).
+
+Checkpoint names, which every family reading its config through `dense_args` shares unless it says
+otherwise: q/k/v packed into qkv_proj and gate/up into gate_up_proj (`PACKED_MODULES`), the RoPE
+tables older checkpoints saved skipped, a mixture of experts' names through `layers/moe.py`."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from backend.models.decoder import ModelArgs
 from backend.layers.activation import activation_name
+from backend.layers.moe import checkpoint_tensors as moe_checkpoint_tensors
 from backend.layers.rotary import rope_parameters
+
+PACKED_MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def checkpoint_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> list[tuple[str, Any]]:
+    """A checkpoint tensor under the decoder's names: as stored, but for the RoPE tables older
+    checkpoints saved (`rotary_emb.inv_freq`, computed here instead) and a mixture of experts' names."""
+    if "rotary_emb" in name:
+        return []
+    return [(name, tensor)] if args.moe is None else moe_checkpoint_tensors(name, tensor, args.moe)
 
 
 def sliding_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
@@ -49,6 +67,8 @@ def dense_args(config: dict[str, Any], **options: Any) -> ModelArgs:
         mlp_bias=config.get("mlp_bias", False),
     )
     fields.update(options)
+    fields.setdefault("packed_modules_mapping", PACKED_MODULES)
+    fields.setdefault("checkpoint_names", checkpoint_tensors)
     return ModelArgs(**fields)
 
 

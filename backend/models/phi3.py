@@ -1,6 +1,6 @@
-"""Phi-3 and Phi-4-mini: Llama-shaped, with q/k/v and gate/up stored fused in the checkpoint
-(split on load, see `CausalLM.split_fused`), longrope scaling and, on Phi-4-mini, a partial rotary
-dimension; Phi-3-mini's config sets a sliding window on every layer."""
+"""Phi-3 and Phi-4-mini: Llama-shaped, with q/k/v and gate/up stored fused in the checkpoint (the
+packed layers' loaders split them, `layers/sharding.packed`), longrope scaling and, on Phi-4-mini, a
+partial rotary dimension; Phi-3-mini's config sets a sliding window on every layer."""
 
 from __future__ import annotations
 

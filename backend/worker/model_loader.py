@@ -17,6 +17,7 @@ from backend.config import EngineConfig
 from backend.errors import EngineError
 from backend import models
 from backend.models import ModelArgs
+from backend.models.loading import load_weights
 from backend.worker.parallel_state import ParallelState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,8 +80,7 @@ def load_model(config: EngineConfig, model_path: str, hf_config: dict, parallel:
         quantization.prepare(model, quant, model_path, dtype)
     model = model.to_empty(device=device)
     model.post_init()
-    model.load_weights(quantization.iterate_weights(model_path, quant, hf_config)
-                       or iterate_safetensors(model_path))
+    load_weights(model, quantization.iterate_weights(model_path, quant, hf_config) or iterate_safetensors(model_path))
     model = model.to(dtype).eval()
     quantization.quantize_loaded(model, quant)  # before pack_linears: not nn.Linear then
     if device.type == "cpu":
