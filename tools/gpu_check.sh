@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of tritonllm in one run of a few minutes, for a machine with an NVIDIA GPU:
-#   1. the kernel tests (tests/test_kernels.py) on CUDA, the engine's CUDA-graph path included;
+#   1. the kernel tests (tests/ops/test_kernels.py) on CUDA, the engine's CUDA-graph path included;
 #   2. decode attention micro-benchmark: achieved GB/s against the device's peak (and a measured
 #      device-to-device copy), next to the torch reference;
 #   3. offline throughput: LLM.generate against Hugging Face `generate` on the same GPU (sequential
@@ -45,7 +45,7 @@ EOF
 stage "kernel tests on CUDA"
 workers=()
 if "$py" -c 'import xdist' 2>/dev/null; then workers=(-n 4); fi  # Triton compiles in parallel
-timeout 600 "$py" -m pytest -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} tests/test_kernels.py 2>&1 | tee "$out/kernel_tests.txt"
+timeout 600 "$py" -m pytest -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} tests/ops/test_kernels.py 2>&1 | tee "$out/kernel_tests.txt"
 
 stage "decode attention: achieved bandwidth"
 timeout 300 "$py" - "$out/decode_attention.json" <<'EOF'

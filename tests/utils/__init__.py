@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: where tests run commands and find tests/data
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 30.0, message: str = "condition") -> float:

@@ -16,7 +16,7 @@ BLOCK_BYTES_FP32 = 2 * 30 * 16 * 3 * 64 * 4
 # SmolLM2's tokenizer and chat template, for a tiny model over its vocabulary.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
-# The model families' shared shape (tests/test_model_families.py, test_moe.py, test_gpt_oss_deepseek.py).
+# The model families' shared shape (tests/models/: test_model_families.py, test_moe.py, test_gpt_oss_deepseek.py).
 VOCAB = 384
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3)

@@ -23,10 +23,10 @@ import uvicorn
 
 from openai_frontend import Settings, build_app
 from openai_frontend.main import server_config
+from tests.utils import ROOT
 from tools.serve import ADMIN_KEY_FILE, ADMIN_KEY_HEADER, API_KEY_ENV
 from tools.triton_server import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 2048
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -11,7 +11,6 @@ import copy
 import json
 import re
 import shlex
-from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -19,8 +18,8 @@ import yaml
 
 from backend.engine.metrics import EngineMetrics
 from openai_frontend.main import parse_settings
+from tests.utils import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.29.0"  # the oldest release these manifests are meant for
 # Custom resources have no bundled schema: checked by hand below (ServiceMonitor's wiring).

@@ -19,7 +19,7 @@ from backend import LLM, SamplingParams
 from backend.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from backend.config import EngineConfig
 from backend.worker.distributed import free_port
-from tests.utils import wait_for
+from tests.utils import ROOT, wait_for
 from tests.utils.models import tiny_model
 from tests.utils.triton import generate, llm_server, texts
 
@@ -121,7 +121,7 @@ def test_two_hosts_meet_at_the_rendezvous(tiny, tiny_single):
              "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
              "--master-port", str(port)]
     host1 = subprocess.Popen([sys.executable, "-m", "tools.cli", "worker", *flags, "--node-rank", "1"],
-                             cwd=Path(__file__).parents[1])
+                             cwd=ROOT)
     try:
         tokens = greedy_tokens(tiny, tensor_parallel_size=2, nnodes=2, node_rank=0,
                                master_addr="127.0.0.1", master_port=port)

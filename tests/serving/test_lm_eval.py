@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils import ROOT
 from tests.utils.serve import API_KEY
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'lm-eval[api]')")
 pytest.importorskip("tenacity", reason="lm-eval's API models need its `api` extra (pip install 'lm-eval[api]')")
 
-ROOT = Path(__file__).resolve().parent.parent
 TASK = "tritonllm_loglik"
 TOLERANCE = 1e-3
 

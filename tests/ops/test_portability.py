@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from backend.ops import cpu_ops
+from tests.utils import ROOT
 from tools.triton_server import TritonServer, free_port, write_model_repository
 
-ROOT = Path(__file__).resolve().parents[1]
 COMPILER = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler: the torch references run instead")
 # What g++ prints on an AVX2 CPU for a vector wider than its registers, quoted as it quotes in UTF-8.
@@ -87,8 +87,8 @@ def test_kernel_and_exactness_tests_pass_on_each_instruction_set(arch):
     env = {**os.environ, "TRITONLLM_CPU_ARCH": arch}
     env.pop("TRITONLLM_CPU_KERNELS", None)
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             "tests/test_cpu_ops.py", "-k", "not portable",
-                             "tests/test_exactness.py::test_greedy_matches_hf_with_ample_kv"],
+                             "tests/ops/test_cpu_ops.py", "-k", "not portable",
+                             "tests/engine/test_exactness.py::test_greedy_matches_hf_with_ample_kv"],
                             env=env, cwd=ROOT, capture_output=True, text=True, encoding="utf-8", errors="replace")
     assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
 

@@ -263,9 +263,10 @@ def test_serve_refuses_trust_remote_code_before_starting_anything(tmp_path):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parent.parent
+    from tests.utils import ROOT
+
     done = subprocess.run([sys.executable, "-m", "tools.serve", "--trust-remote-code", "--workdir", str(tmp_path)],
-                          cwd=root, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "trust_remote_code: no remote code runs here" in done.stderr
     assert not (tmp_path / "tritonserver.log").exists()
