@@ -2,9 +2,10 @@
 8-bit integers and a scale and zero point per group of inputs.
 
 It is built with the checkpoint's own tensors as parameters (their names and shapes come from the
-format's module, `awq.py` or `gptq.py`), so `load_weights` fills them by name and fuses q/k/v and
-gate/up along the dims `fused_dims` gives. `finish_loading` then repacks them once into the one
-layout every path reads: qweight [N, K * bits / 32] int32 packed along the inputs (like
+format's module, `awq.py` or `gptq.py`), so the loader (`models/loading.py`) fills them by name,
+writing q/k/v and gate/up parts along each tensor's output dim (`FUSED_DIMS`; the packed layers'
+loaders find it from the shapes, `layers/sharding.packed_dim`). `finish_loading` then repacks them
+once into the one layout every path reads: qweight [N, K * bits / 32] int32 packed along the inputs (like
 nn.Linear's [N, K] weight), scales and zeros [N, G] in the activation dtype. GPTQ's act-order
 (inputs of one group scattered) becomes a permutation of the inputs: the weight's columns are
 sorted by group once, and each call gathers x's columns in the same order, so groups are
@@ -51,7 +52,6 @@ class IntLinear(nn.Module):
         if in_features % group_size or out_features % (32 // config.bits):
             raise ValueError(f"quantization: a layer of {in_features} inputs and {out_features} outputs does not "
                              f"split into groups of {group_size} inputs and words of {32 // config.bits} outputs")
-        self.fused_dims = layout.FUSED_DIMS
         for name, (shape, dtype) in layout.tensor_shapes(in_features, out_features, config).items():
             self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,7 @@ from backend.layers.sharding import Part, output_rows, packed
 from backend.models import build_model, model_args
 from backend.models.loading import load_weights
 from backend.worker.parallel_state import ParallelState
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.utils import ROOT
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 16, 4, 1, 4, 24, 37
 
 
@@ -158,3 +156,17 @@ def test_shared_decoder_and_loader_name_no_family_weights(path):
                if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
     found = {name for text in strings for name in FAMILY_NAMES if re.search(rf"\b{name}\b", text)}
     assert not found, f"{path} names family weights: {sorted(found)}"
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_packed_dim_of_quantized_tensors_is_their_formats_output_dim(method):
+    """The packed loader finds where a part goes from the shapes: the dim each format declares."""
+    from backend.quantization import awq, gptq
+    from backend.quantization.config import QuantConfig
+    from backend.layers.sharding import packed_dim
+
+    layout, config = (awq, QuantConfig("awq", 4, 32, sym=False)) if method == "awq" else (gptq, QuantConfig("gptq", 4, 32))
+    whole = layout.tensor_shapes(64, 96, config)  # q/k/v of 64 + 16 + 16 outputs
+    part = layout.tensor_shapes(64, 16, config)
+    for name, dim in layout.FUSED_DIMS.items():
+        assert packed_dim(torch.empty(whole[name][0]), torch.empty(part[name][0])) == dim, name
