@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 # (through the interpreter on a CPU) or a C++ op against its torch reference, `unit` is the rest.
 SERVING_FIXTURES = {"server", "serve", "triton", "frontend", "tight_triton", "tight_frontend", "tritons"}
 ENGINE_FIXTURES = {"model_path", "llm", "tiny_model", "tiny", "tiny_single", "tiny_llama"}
-STARTS_A_SERVER = ("llm_server(", "TritonServer(", "ServedApp(")
+STARTS_A_SERVER = ("llm_server(", "TritonServer(", "ServedApp(", "Serve(")
 RUNS_A_MODEL = ("LLM(", "LLMEngine(", "ForCausalLM(", "tiny_model(", "greedy_tokens(", "_matches_hf(")
 KERNEL_FILES = {"test_kernels.py", "test_cpu_ops.py"}
 TIERS = ("unit", "kernels", "engine", "serving")
