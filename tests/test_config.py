@@ -29,7 +29,7 @@ def engine_flags(argv: list[str]) -> argparse.Namespace:
 
 @pytest.mark.parametrize("given", [NGRAM_DICT, json.dumps(NGRAM_DICT), NGRAM], ids=["dict", "json", "parsed"])
 def test_speculative_config_is_parsed_once_whatever_form_it_comes_in(given):
-    parsed = EngineConfig(speculative_config=given).speculative_config  # LLM(...)'s keyword
+    parsed = EngineConfig(speculative_config=given).speculative_config  # as the LLM keyword argument
     assert parsed == NGRAM and SpeculativeConfig.parse(parsed) is parsed
     assert EngineConfig.from_dict({"speculative_config": given}).speculative_config == NGRAM  # model.json
 
