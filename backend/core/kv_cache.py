@@ -23,13 +23,14 @@ NULL_BLOCK = 0  # with a sliding window: where block-table entries behind every 
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "key")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.key: str | tuple | None = None  # what else its hash covers (Request.block_key)
 
 
 class KVCacheManager:
@@ -84,9 +85,10 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for start in range(0, request.num_tokens - 1 - self.block_size + 1, self.block_size):
             block_tokens = tuple(tokens[start:start + self.block_size])
-            parent = self._block_hash(parent, block_tokens, request.cache_key)
+            key = request.block_key(start, start + self.block_size)
+            parent = self._block_hash(parent, block_tokens, key)
             block_id = self.hash_to_block.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != block_tokens:
+            if block_id is None or self.blocks[block_id].token_ids != block_tokens or self.blocks[block_id].key != key:
                 break
             hits.append(block_id)
         return hits
@@ -117,7 +119,7 @@ class KVCacheManager:
             if block.hash is not None:  # evict: its old contents are about to be overwritten
                 if self.hash_to_block.get(block.hash) == block_id:
                     del self.hash_to_block[block.hash]
-                block.hash, block.token_ids = None, ()
+                block.hash, block.token_ids, block.key = None, (), None
             block.ref_count = 1
             request.block_table.append(block_id)
         return True
@@ -131,12 +133,13 @@ class KVCacheManager:
         for index in range(len(request.block_hashes), num_full):
             block_tokens = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
             parent = request.block_hashes[-1] if request.block_hashes else None
-            block_hash = self._block_hash(parent, block_tokens, request.cache_key)
+            key = request.block_key(index * self.block_size, (index + 1) * self.block_size)
+            block_hash = self._block_hash(parent, block_tokens, key)
             request.block_hashes.append(block_hash)
             if self.sliding_window and request.block_table[index] == NULL_BLOCK:  # freed: only the hash chain
                 continue
             block = self.blocks[request.block_table[index]]
-            block.hash, block.token_ids = block_hash, block_tokens
+            block.hash, block.token_ids, block.key = block_hash, block_tokens, key
             self.hash_to_block.setdefault(block_hash, block.block_id)
 
     def free_behind_window(self, request: Request) -> int:
@@ -206,5 +209,5 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         for block_id in self.free_blocks:
             block = self.blocks[block_id]
-            block.hash, block.token_ids = None, ()
+            block.hash, block.token_ids, block.key = None, (), None
         self.hash_to_block = {b.hash: b.block_id for b in self.blocks if b.hash is not None}

@@ -17,6 +17,7 @@ from backend.outputs import PromptLogprobs, RequestMetrics, SampleLogprobs
 from backend.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from backend.multimodal import ImageInput
     from backend.sampling.structured_output import RequestGrammar
 
 
@@ -32,7 +33,8 @@ class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, *, index: int = 0, parent_id: str | None = None,
                  cache_salt: str | None = None, priority: int = 0,
-                 arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
+                 arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                 images: tuple[ImageInput, ...] = ()) -> None:
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         self.index = index  # which of the parent's n samples this is
@@ -41,6 +43,7 @@ class Request:
         self.params = params
         self.cache_salt = cache_salt
         self.lora_request = lora_request  # the adapter this request runs with, or None for the base model
+        self.images = images  # the prompt's images, in order (their placeholders are prompt tokens)
         self.priority = priority
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -63,7 +66,6 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.grammar: RequestGrammar | None = None  # structured outputs: where the sample is in its grammar
-        self.spec_token_ids: list[int] = []  # speculative decoding: drafts for the next step to verify
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
 
     @property
@@ -73,6 +75,13 @@ class Request:
         if self.lora_request is None:
             return self.cache_salt
         return (self.cache_salt, self.lora_request.lora_int_id)
+
+    def block_key(self, start: int, end: int) -> str | tuple | None:
+        """What keys the prefix-cache block of positions [start, end) besides its tokens (and, through
+        the hash chain, the blocks before it): `cache_key`, and the hash of each image whose
+        placeholders it holds, since placeholder tokens are the same for every image."""
+        images = tuple(image.hash for image in self.images if image.overlap(start, end) is not None)
+        return (self.cache_key, images) if images else self.cache_key
 
     @property
     def needs_prompt_logprobs(self) -> bool:

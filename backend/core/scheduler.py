@@ -9,41 +9,34 @@ blocks are freed and it starts over) or by swap (its blocks are copied to CPU sw
 on resume). A waiting request that does not fit may be passed over a bounded number of times so it
 cannot stall smaller requests behind it forever; one whose grammar is still compiling waits
 without being counted as passed over. The scheduler never touches tensors: the plan it returns says
-what to compute and which blocks to copy. After the step, `update_from_output` counts what was
-computed, registers full blocks for the prefix cache, queues held samples and frees finished ones.
+what to compute and which blocks to copy. After the step, `update_from_output` takes the plan and
+the model runner's output (core/step.py): it appends the sampled tokens up to the first that stops
+the request (stop token, max_tokens, the model's length; stop strings need text and are the output
+processor's), counts what was computed, registers full blocks for the prefix cache, queues held
+samples and frees finished requests.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass, field
 
 from backend.core.kv_cache import KVCacheManager
 from backend.core.request import Request, RequestStatus
+from backend.core.step import ModelRunnerOutput, SampledTokens, SchedulerOutput, StepUpdate
 
 # How many times a waiting request that does not fit may be passed over by later ones.
 MAX_HEAD_OF_LINE_SKIPS = 32
 
 
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
-    preempted: list[Request] = field(default_factory=list)
-    newly_admitted: list[Request] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, swap block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, preemption_mode: str = "recompute",
-                 scheduling_policy: str = "fcfs", max_loras: int | None = None) -> None:
+                 scheduling_policy: str = "fcfs", max_loras: int | None = None,
+                 eos_token_ids: set[int] | frozenset[int] = frozenset(), max_model_len: int | None = None) -> None:
         self.kv_cache = kv_cache
+        self.eos_token_ids = eos_token_ids  # what ends a request that does not ignore EOS
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -87,7 +80,10 @@ class Scheduler:
         """Samples waiting for a slot, held samples included."""
         return len(self.waiting) + sum(map(len, self.held.values()))
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """The step's plan. `drafts`: speculative tokens proposed for running decodes, by request
+        id; each decode verifies as many as the budget and free blocks allow (`spec_token_ids`)."""
+        drafts = drafts or {}
         out = SchedulerOutput()
         scheduled: dict[Request, int] = {}
         budget = self.max_num_batched_tokens
@@ -98,15 +94,14 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = request.num_tokens - request.num_computed_tokens
             # A decode also verifies its speculative drafts, as many as the budget has room for.
-            drafts = request.spec_token_ids[:budget - 1] if num_new == 1 else []
-            request.spec_token_ids = []
+            verify = drafts.get(request.request_id, [])[:budget - 1] if num_new == 1 else []
             if num_new > budget and not self.enable_chunked_prefill:
                 continue
             num_new = min(num_new, budget)
             self.kv_cache.free_behind_window(request)  # a sliding window on every layer: blocks it left
-            while not self.kv_cache.allocate_slots(request, num_new + len(drafts)):
-                if drafts:  # no blocks for the drafts: decode without them before preempting anyone
-                    drafts = []
+            while not self.kv_cache.allocate_slots(request, num_new + len(verify)):
+                if verify:  # no blocks for the drafts: decode without them before preempting anyone
+                    verify = []
                     continue
                 victim = self._choose_victim()
                 budget += scheduled.pop(victim, 0)
@@ -114,9 +109,10 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                request.spec_token_ids = drafts
-                scheduled[request] = num_new + len(drafts)
-                budget -= num_new + len(drafts)
+                if verify:
+                    out.spec_token_ids[request.request_id] = verify
+                scheduled[request] = num_new + len(verify)
+                budget -= num_new + len(verify)
 
         # Admit waiting requests only in a step that preempted no one: otherwise the victim
         # would be re-admitted at once and preempt again.
@@ -170,7 +166,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        request.spec_token_ids = []
+        out.spec_token_ids.pop(request.request_id, None)
         out.preempted.append(request)
         swap = self.kv_cache.swap_out(request) if self.preemption_mode == "swap" else None
         if swap is not None:
@@ -182,15 +178,20 @@ class Scheduler:
             request.status = RequestStatus.PREEMPTED
         self.add(request)
 
-    def update_from_output(self, plan: SchedulerOutput) -> list[Request]:
-        """After the step's tokens were appended: count what was computed, register full blocks,
-        queue held samples whose prompt is now cached, and free the requests that finished (which
-        it returns)."""
-        for request, num_scheduled in plan.scheduled:
-            if request.spec_token_ids:
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> StepUpdate:
+        """After the model ran: append each request's sampled tokens (up to the first that stops
+        it), count what was computed, register full blocks, queue held samples whose prompt is now
+        cached, and free the requests that finished."""
+        update = StepUpdate()
+        for request, num_scheduled in scheduler_output.scheduled:
+            tokens = runner_output.sampled_token_ids.get(request.request_id)
+            if tokens:
+                kept = self._append(request, tokens)
+                logprobs = runner_output.logprobs.get(request.request_id) or [None] * len(tokens)
+                update.appended.append(SampledTokens(request, tokens[:kept], logprobs[:kept]))
+            if scheduler_output.drafts(request):
                 # A verified decode: the KV of every appended token but the last is in place (the
                 # accepted drafts count now); blocks taken only for rejected drafts go back.
-                request.spec_token_ids = []
                 request.num_computed_tokens = request.num_tokens - 1
                 self.kv_cache.trim(request, request.num_tokens)
             else:
@@ -201,10 +202,23 @@ class Scheduler:
                 for request in rest:
                     self.add(request)
                 del self.held[first]
-        finished = [r for r, _ in plan.scheduled if r.finish_reason is not None and not r.is_finished]
-        for request in finished:
+        update.finished = [r for r, _ in scheduler_output.scheduled
+                           if r.finish_reason is not None and not r.is_finished]
+        for request in update.finished:
             self.finish(request)
-        return finished
+        return update
+
+    def _append(self, request: Request, tokens: list[int]) -> int:
+        """Append sampled tokens until one stops the request (the rest are dropped), advancing its
+        grammar; returns how many it kept."""
+        for kept, token in enumerate(tokens, start=1):
+            request.all_token_ids.append(token)
+            check_stop_token(request, token, self.eos_token_ids, self.max_model_len)
+            if request.grammar is not None:
+                request.grammar.advance(request, token)
+            if request.finish_reason is not None:
+                return kept
+        return len(tokens)
 
     def finish(self, request: Request) -> None:
         """Remove a finished or aborted request and free its blocks at once (an aborted request's
@@ -217,3 +231,20 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         self.kv_cache.free(request)
         self.kv_cache.free_swap(request)
+
+
+def check_stop_token(request: Request, token_id: int, eos_token_ids: set[int] | frozenset[int],
+                     max_model_len: int | None) -> None:
+    """Set finish_reason / stop_reason from the token just appended (stop strings come later)."""
+    params = request.params
+    num_output = request.num_output_tokens
+    if num_output >= params.min_tokens:
+        if not params.ignore_eos and token_id in eos_token_ids:
+            request.finish_reason = "stop"
+            return
+        if params.stop_token_ids and token_id in params.stop_token_ids:
+            request.finish_reason, request.stop_reason = "stop", token_id
+            return
+    if (params.max_tokens is not None and num_output >= params.max_tokens) \
+            or (max_model_len is not None and request.num_tokens >= max_model_len):
+        request.finish_reason = "length"

@@ -1,7 +1,9 @@
-"""LLMEngine: the loop. `add_request` validates and queues, `step` schedules, runs the model, samples
-and returns outputs, `abort_request` frees a request at once. A step's post-work has two homes: the
-scheduler updates request state from it (`update_from_output`), the output processor appends tokens
-and builds outputs. Nothing else lives here.
+"""LLMEngine: the loop. `add_request` validates and queues, `abort_request` frees a request at once,
+and `step` is the step contract in order (backend/core/step.py): the scheduler plans
+(`SchedulerOutput`), the model runner runs and samples (`ModelRunnerOutput`), the scheduler updates
+request state from both (`update_from_output`: tokens appended, stop tokens and lengths checked,
+finished requests freed), the output processor turns what was appended into client outputs (stop
+strings end requests there). Nothing else lives here.
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ from backend.engine.metrics import EngineMetrics
 from backend.worker.model_loader import load_hf_config
 from backend.model_paths import resolve_model_path
 from backend.worker.model_runner import ModelRunner
-from backend.engine.output_processor import ChildState, OutputProcessor, ParentRequest, SampledTokens, make_output
+from backend.engine.output_processor import ChildState, OutputProcessor, ParentRequest, make_output
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.errors import CONTEXT_LENGTH_EXCEEDED, KV_CACHE_TOO_SMALL, EngineError, check
 from backend.outputs import RequestOutput
 from backend.core.request import Request, RequestStatus
-from backend.sampling.sampler import Sampler
 from backend.sampling_params import SamplingParams
-from backend.core.scheduler import Scheduler, SchedulerOutput
-from backend.engine.spec_decode import SpeculativeDecoder, accepted_tokens
+from backend.core.scheduler import Scheduler
+from backend.core.step import SchedulerOutput
+from backend.multimodal import ImageInput, ImageProcessor
+from backend.engine.spec_decode import SpeculativeDecoder
 from backend.sampling.structured_output import GrammarCompiler, RequestGrammar
 
 logger = logging.getLogger(__name__)
@@ -77,19 +80,22 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        config.enable_prefix_caching, self.runner.num_swap_blocks,
                                        sliding_window=self.limits.sliding_window)
+        self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, max_batched,
                                    config.enable_chunked_prefill, config.preemption_mode,
-                                   config.scheduling_policy, config.max_loras if config.enable_lora else None)
-        self.sampler = Sampler(config.seed)
+                                   config.scheduling_policy, config.max_loras if config.enable_lora else None,
+                                   self.eos_token_ids, self.max_model_len)
         self.metrics = EngineMetrics(config.enable_lora, self.max_model_len)
         self.spec = None if config.speculative_config is None else SpeculativeDecoder(
             config, self.runner, self.kv_cache, self.metrics, self.max_model_len)
-        self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.compiling: dict[str, futures.Future] = {}  # requests queued while their grammar compiles
-        self.output_processor = OutputProcessor(self.metrics, self.eos_token_ids, self.max_model_len)
+        self.output_processor = OutputProcessor(self.metrics)
         # Sampling defaults for requests that omit them (generation_config: auto, vLLM's default).
         self.generation_defaults = generation_defaults(config, self.model_path)
+        vision = self.runner.args.vision
+        self.image_processor = None if vision is None or config.skip_tokenizer_init else ImageProcessor(
+            self.model_path, vision.image_token_id, vision.tokens_per_image)
         self._update_gauges()  # vllm:lora_requests_info's labels from the start
 
     # -- requests ------------------------------------------------------------------------------
@@ -102,6 +108,22 @@ class LLMEngine:
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
             raise EngineError("prompt", f"token ids must be integers in [0, {self.vocab_size})")
         return None, ids
+
+    def process_prompt(self, prompt: dict) -> tuple[str | None, list[int], tuple[ImageInput, ...]]:
+        """vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": ids}, with
+        "multi_modal_data": {"image": ...} beside a text prompt for a vision-language model."""
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        check(not unknown, "prompt", f"unknown keys {sorted(unknown)} (prompt, prompt_token_ids, multi_modal_data)")
+        check(("prompt" in prompt) != ("prompt_token_ids" in prompt), "prompt",
+              "give one of 'prompt' and 'prompt_token_ids'")
+        if prompt.get("multi_modal_data") is None:
+            return (*self.tokenize(prompt.get("prompt", prompt.get("prompt_token_ids"))), ())
+        check(self.image_processor is not None, "multi_modal_data",
+              f"{self.model_name} takes text only" if self.runner.args.vision is None else "needs a tokenizer")
+        check(isinstance(prompt.get("prompt"), str), "multi_modal_data", "goes with a text prompt "
+              "(the model's processor places each image's tokens)")
+        prompt_ids, images = self.image_processor(prompt["prompt"], prompt["multi_modal_data"])
+        return prompt["prompt"], prompt_ids, tuple(images)
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """The token sequences that spell each bad word as vLLM bans them: the word as given (without
@@ -117,7 +139,7 @@ class LLMEngine:
                 sequences.append(spaced)
         return [ids for ids in sequences if ids]
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     *, arrival_time: float | None = None, cache_salt: str | None = None,
                     priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         """Validate and queue a request; raises ValueError with a clear message if it can never run."""
@@ -125,7 +147,7 @@ class LLMEngine:
         self.enqueue(self.process_request(request_id, prompt, params, arrival_time=arrival_time,
                                           cache_salt=cache_salt, priority=priority, lora_request=lora_request))
 
-    def process_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def process_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                         *, arrival_time: float | None = None, cache_salt: str | None = None,
                         priority: int = 0, lora_request: LoRARequest | None = None) -> ParentRequest:
         """Tokenize and validate without touching engine state (safe from any thread)."""
@@ -139,13 +161,18 @@ class LLMEngine:
               priority)
         check(priority == 0 or self.config.scheduling_policy == "priority", "priority",
               "needs the engine's scheduling_policy priority (it is fcfs)", priority)
-        prompt_text, prompt_ids = self.tokenize(prompt)
+        images: tuple[ImageInput, ...] = ()
+        if isinstance(prompt, dict):
+            prompt_text, prompt_ids, images = self.process_prompt(prompt)
+        else:
+            prompt_text, prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
             raise EngineError("prompt", "must not be empty")
         if params.truncate_prompt_tokens is not None:
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             check(keep <= self.max_model_len, "truncate_prompt_tokens",
                   f"must be at most max_model_len ({self.max_model_len}), or -1")
+            check(not images or len(prompt_ids) <= keep, "truncate_prompt_tokens", "would cut a prompt with images")
             if len(prompt_ids) > keep:  # the prompt's last `keep` tokens, as vLLM keeps
                 prompt_ids = prompt_ids[-keep:]
                 prompt_text = None if prompt_text is None else self.tokenizer.decode(prompt_ids)
@@ -184,7 +211,7 @@ class LLMEngine:
                 child_id = f"{index}_{request_id}"
             request = Request(child_id, prompt_text, prompt_ids, child_params, index=index,
                               parent_id=request_id, cache_salt=cache_salt, priority=priority,
-                              arrival_time=arrival_time, lora_request=lora_request)
+                              arrival_time=arrival_time, lora_request=lora_request, images=images)
             if grammar is not None:
                 request.grammar = RequestGrammar(grammar)
             detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)
@@ -266,7 +293,8 @@ class LLMEngine:
         """libgomp keeps one OpenMP thread team per thread that opens a parallel region. A model
         loaded on one thread and run on another makes two teams, more threads than CPUs, and then
         libgomp cuts its barrier spin from 300,000 to 100 iterations: every parallel region puts its
-        threads to sleep and wakes them through the kernel (decode steps measured 20% slower)."""
+        threads to sleep and wakes them through the kernel (decode steps measurably slower:
+        docs/benchmarks.md, "Measured reasons behind code choices")."""
         self._warned_thread = True
         if self.runner.device.type == "cpu":
             logger.warning("the engine was built on thread %r and steps on %r: build it on the thread "
@@ -277,20 +305,24 @@ class LLMEngine:
         if threading.current_thread() is not self.built_on and not self._warned_thread:
             self._warn_thread()
         outputs = self._fail_uncompiled_grammars()
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running)
-        plan = self.scheduler.schedule()
-        self._count_admissions(plan)
-        if plan.swap_out or plan.swap_in:
-            self.runner.swap_blocks(plan.swap_out, plan.swap_in)
-        if plan.scheduled:
-            logits, sampled_requests, prompt_scores = self.runner.execute(plan.scheduled)
-            self.output_processor.append_prompt_logprobs(prompt_scores)
-            sampled = self._sample(logits, sampled_requests)
-            self.output_processor.append_tokens(sampled)
-            for request in self.scheduler.update_from_output(plan):
+        drafts = self.spec.propose(self.scheduler.running) if self.spec is not None else None
+        scheduler_output = self.scheduler.schedule(drafts)
+        self._count_admissions(scheduler_output)
+        if scheduler_output.swap_out or scheduler_output.swap_in:
+            self.runner.swap_blocks(scheduler_output.swap_out, scheduler_output.swap_in)
+        if scheduler_output.scheduled:
+            runner_output = self.runner.execute_model(scheduler_output)
+            if self.spec is not None:
+                self.spec.count(scheduler_output, runner_output)
+            update = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self.output_processor.append_prompt_logprobs(runner_output.prompt_scores)
+            stopped = self.output_processor.append_tokens(update.appended)
+            for request in update.finished:
                 self._finished(request)
-            outputs += self.output_processor.make_outputs(sampled)
+            for request in stopped:  # by a stop string, which only text shows
+                if not request.is_finished:  # (its last token may have ended it already)
+                    self._finish(request)
+            outputs += self.output_processor.make_outputs(update.appended)
         elif self.compiling:
             futures.wait(self.compiling.values(), GRAMMAR_POLL_S, futures.FIRST_COMPLETED)
         self._update_gauges()
@@ -317,22 +349,6 @@ class LLMEngine:
                 request.metrics.first_scheduled_time = time.time()
             registry.inc(m.prefix_cache_queries, request.num_prompt_tokens)
             registry.inc(m.prefix_cache_hits, request.num_cached_tokens)
-
-    def _sample(self, logits, requests: list[Request]) -> list[SampledTokens]:
-        """Each sampled request's new tokens: one, or with speculative drafts the drafts the target
-        model agrees with and then its own next token."""
-        if not requests:
-            return []
-        result = self.sampler(logits, requests if self.spec is None else self.spec.verification_rows(requests))
-        sampled, row = [], 0
-        for request in requests:
-            drafts = request.spec_token_ids
-            tokens = accepted_tokens(drafts, result.token_ids[row:row + 1 + len(drafts)])
-            sampled.append(SampledTokens(request, tokens, result.logprobs[row:row + len(tokens)]))
-            if drafts:
-                self.spec.verified(request, len(tokens) - 1)
-            row += 1 + len(drafts)
-        return sampled
 
     def _finish(self, request: Request) -> None:
         self.scheduler.finish(request)

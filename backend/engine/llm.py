@@ -13,7 +13,7 @@ from backend.lora import LoRARequest
 from backend.outputs import RequestOutput
 from backend.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # text, token ids, or vLLM's dict (with multi_modal_data)
 
 
 class LLM:
@@ -40,7 +40,7 @@ class LLM:
         """Run every prompt to completion, batched; outputs come back in the prompts' order.
         lora_request: one adapter for every prompt, or one (or None) per prompt. `priority` (one
         per prompt, lower first) needs scheduling_policy="priority", as in vLLM."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
@@ -89,7 +89,9 @@ class LLM:
         searches = []
         for item in items:
             # vLLM's TextPrompt / TokensPrompt dicts, or a text, or token ids
-            prompt: Prompt = item.get("prompt_token_ids", item.get("prompt")) if isinstance(item, dict) else item
+            if isinstance(item, dict) and item.get("multi_modal_data") is not None:
+                raise EngineError("multi_modal_data", "beam search takes text prompts only")
+            prompt: str | list[int] = item.get("prompt_token_ids", item.get("prompt")) if isinstance(item, dict) else item
             _, prompt_ids = engine.tokenize(prompt)
             check_fits(len(prompt_ids), params, engine.max_model_len)
             searches.append(BeamSearch(prompt_ids, params, engine.eos_token_ids))

@@ -1,11 +1,12 @@
-"""From sampled tokens to RequestOutputs: stop checks, detokenization, grammars, logprobs, token
-metrics and n > 1. `OutputProcessor` holds what each request needs for that (its parent, its
-detokenizer, what was already sent); the scheduler holds where each request stands in the queue.
+"""From appended tokens to RequestOutputs: detokenization, stop strings, logprobs, token metrics and
+n > 1 (the scheduler has appended the tokens and checked stop tokens and lengths). `OutputProcessor`
+holds what each request needs for that (its parent, its detokenizer, what was already sent); the
+scheduler holds where each request stands in the queue.
 
 A user request with n samples is a parent of n child Requests that the scheduler runs independently
-(their prompts share KV blocks through the prefix cache). This module appends each child's new
-token, decides whether it finished and why, and assembles the parent's RequestOutput in the kind the
-caller asked for (cumulative, delta or final only). A stream interval above 1 (vLLM's
+(their prompts share KV blocks through the prefix cache). This module turns each child's new tokens
+into text, ends it on a stop string (dropping the tokens after it), and assembles the parent's
+RequestOutput in the kind the caller asked for (cumulative, delta or final only). A stream interval above 1 (vLLM's
 `stream_interval`) makes streamed outputs rarer: a sample's first token goes out at once, then its
 news every `stream_interval` tokens and at its end, each output carrying all that is new, so that
 the serving path handles a fraction of the messages.
@@ -22,6 +23,7 @@ from backend.engine.metrics import EngineMetrics
 from backend.outputs import CompletionOutput, Logprob, RequestOutput
 from backend.sampling.prompt_logprobs import PromptScores
 from backend.core.request import Request
+from backend.core.step import SampledTokens
 from backend.sampling_params import RequestOutputKind
 
 
@@ -55,24 +57,13 @@ class ParentRequest:
         return all(c.request.is_finished for c in self.children)
 
 
-@dataclass
-class SampledTokens:
-    """What a step sampled for one request: the tokens to append (a speculative decode may accept
-    several) and, when asked for, each one's logprobs."""
-    request: Request
-    token_ids: list[int]
-    logprobs: list
-
-
 class OutputProcessor:
-    """The engine's unfinished user requests by id, and the post-step work on them: append the
-    sampled tokens (ending requests on stop tokens, stop strings, length or a finished grammar),
-    count tokens and latencies, and build each request's RequestOutput."""
+    """The engine's unfinished user requests by id, and the post-step work on them: detokenize the
+    appended tokens (ending requests on stop strings), count tokens and latencies, and build each
+    request's RequestOutput."""
 
-    def __init__(self, metrics: EngineMetrics, eos_token_ids: set[int], max_model_len: int) -> None:
+    def __init__(self, metrics: EngineMetrics) -> None:
         self.metrics = metrics
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
         self.parents: dict[str, ParentRequest] = {}
         self.children: dict[str, tuple[ParentRequest, ChildState]] = {}
 
@@ -87,35 +78,38 @@ class OutputProcessor:
             self.children.pop(child.request.request_id, None)
         return parent
 
-    def append_tokens(self, sampled: list[SampledTokens]) -> None:
+    def append_tokens(self, appended: list[SampledTokens]) -> list[Request]:
+        """Text, logprobs and token metrics for the tokens a step appended; returns the requests a
+        stop string ended (their tokens after it dropped), for the engine to finish."""
         registry, m = self.metrics.registry, self.metrics
         step_tokens = 0
-        for item in sampled:
+        stopped = []
+        for item in appended:
             request = item.request
             _, child = self.children[request.request_id]
             now = time.time()
-            first = request.num_output_tokens == 0
+            num_before = request.num_output_tokens - len(item.token_ids)
             previous = request.metrics.last_token_time
-            appended = 0
-            for token, logprobs in zip(item.token_ids, item.logprobs):
-                append_token(child, token, logprobs, self.eos_token_ids, self.max_model_len)
-                if request.grammar is not None:
-                    request.grammar.advance(request, token)
-                appended += 1
-                if request.finish_reason is not None:
-                    request.metrics.finished_time = time.time()
-                    break  # accepted tokens after a stop are dropped
-            registry.inc(m.generation_tokens, appended)
-            step_tokens += appended
-            if first:
+            kept = emit_tokens(child, item.token_ids, item.logprobs, now)
+            if kept is not None:  # a stop string: the tokens after it go
+                del request.all_token_ids[request.num_prompt_tokens + num_before + kept:]
+                stopped.append(request)
+            else:
+                kept = len(item.token_ids)
+            if request.finish_reason is not None:
+                request.metrics.finished_time = time.time()
+            registry.inc(m.generation_tokens, kept)
+            step_tokens += kept
+            if num_before == 0:
                 registry.inc(m.prompt_tokens, request.num_prompt_tokens)
                 step_tokens += request.num_prompt_tokens
                 registry.observe(m.time_to_first_token, now - request.metrics.arrival_time)
-            elif previous is not None and appended:
+            elif previous is not None and kept:
                 registry.observe(m.inter_token_latency, now - previous)
                 registry.observe(m.time_per_output_token, now - previous)  # vLLM v1's: the same values
         if step_tokens:
             registry.observe(m.iteration_tokens, step_tokens)
+        return stopped
 
     def append_prompt_logprobs(self, scores: list[PromptScores]) -> None:
         """The prompt tokens a step scored, as Logprob dicts: the prompt's token with its rank,
@@ -181,49 +175,34 @@ class OutputProcessor:
                              error=error.wire())
 
 
-def check_stop_token(request: Request, token_id: int, eos_token_ids: set[int],
-                     max_model_len: int) -> None:
-    """Set finish_reason / stop_reason from the token just appended (stop strings come later)."""
-    params = request.params
-    num_output = request.num_output_tokens
-    if num_output >= params.min_tokens:
-        if not params.ignore_eos and token_id in eos_token_ids:
-            request.finish_reason = "stop"
-            return
-        if params.stop_token_ids and token_id in params.stop_token_ids:
-            request.finish_reason, request.stop_reason = "stop", token_id
-            return
-    if (params.max_tokens is not None and num_output >= params.max_tokens) \
-            or request.num_tokens >= max_model_len:
-        request.finish_reason = "length"
-
-
-def append_token(child: ChildState, token_id: int, logprob_info, eos_token_ids: set[int],
-                 max_model_len: int) -> None:
-    request = child.request
-    request.all_token_ids.append(token_id)
-    now = time.time()
+def emit_tokens(child: ChildState, token_ids: list[int], logprobs: list, now: float) -> int | None:
+    """A request's appended tokens into its logprobs and text, up to a stop string: then it ends the
+    request and returns how many tokens it keeps (None: no stop string). The last token may have
+    stopped the request already (a stop token's text is left out unless asked for)."""
+    request, detokenizer, params = child.request, child.detokenizer, child.request.params
     if request.metrics.first_token_time is None:
         request.metrics.first_token_time = now
     request.metrics.last_token_time = now
-    if logprob_info is not None:
-        chosen_lp, rank, top = logprob_info
-        request.cumulative_logprob += chosen_lp
-        detok = child.detokenizer
-        entry = {token_id: Logprob(chosen_lp, rank, detok.decode_token(token_id) if detok else None)}
-        for top_rank, (top_id, top_lp) in enumerate(top, start=1):
-            if top_id != token_id:
-                entry[top_id] = Logprob(top_lp, top_rank, detok.decode_token(top_id) if detok else None)
-        request.logprobs.append(entry)
-    check_stop_token(request, token_id, eos_token_ids, max_model_len)
-    if child.detokenizer is not None:
-        params = request.params
-        ended_by_stop_token = request.finish_reason == "stop"
+    num_before = request.num_output_tokens - len(token_ids)
+    for kept, (token_id, logprob_info) in enumerate(zip(token_ids, logprobs), start=1):
+        if logprob_info is not None:
+            chosen_lp, rank, top = logprob_info
+            request.cumulative_logprob += chosen_lp
+            entry = {token_id: Logprob(chosen_lp, rank, detokenizer.decode_token(token_id) if detokenizer else None)}
+            for top_rank, (top_id, top_lp) in enumerate(top, start=1):
+                if top_id != token_id:
+                    entry[top_id] = Logprob(top_lp, top_rank, detokenizer.decode_token(top_id) if detokenizer else None)
+            request.logprobs.append(entry)
+        if detokenizer is None:
+            continue
+        ended_by_stop_token = kept == len(token_ids) and request.finish_reason == "stop"
         # A stop token is not part of the text unless asked for (EOS is special and skipped anyway).
         new_ids = [] if ended_by_stop_token and not params.include_stop_str_in_output else [token_id]
-        stop_string = child.detokenizer.update(new_ids, check_stop=request.num_output_tokens >= params.min_tokens)
+        stop_string = detokenizer.update(new_ids, check_stop=num_before + kept >= params.min_tokens)
         if stop_string is not None:
             request.finish_reason, request.stop_reason = "stop", stop_string
+            return kept
+    return None
 
 
 def make_output(parent: ParentRequest, updated: set[int] | None) -> RequestOutput | None:

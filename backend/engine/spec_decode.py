@@ -4,31 +4,25 @@ verified prefix is kept.
 
 Proposers: `ngram` (prompt lookup: copy what followed the latest earlier occurrence of the request's
 last n tokens) and `draft_model` (a smaller model of the same vocabulary, with its own KV cache,
-proposing its greedy tokens). Both drafts are one-hot (q(d) = 1), and for those speculative rejection
-sampling (accept d with probability min(1, p(d) / q(d)) = p(d), else sample from
-normalize(max(0, p - q)), which is p without d) is the same as sampling the target's token x ~ p at
-every position as usual and accepting the draft while x == d: the first x that differs is the
-correction, and after k agreements the last row yields a bonus token. So verification is the Sampler
-itself (penalties, top-k/p, seeds and logprobs included) over one row per position, each row seeing
-the request as if the drafts before it were accepted: outputs keep exactly the target's distribution
-(greedy and seeded requests: token for token, since a seeded generator is rewound to the positions
-kept), and drafts only decide how many tokens a step yields.
+proposing its greedy tokens). A proposal is data: request id -> drafts, handed to the scheduler,
+which grants each decode as many as its budget and blocks allow and passes them on in its output.
+Verification is sampling (backend/sampling/verification.py): outputs keep exactly the target's
+distribution, and drafts only decide how many tokens a step yields.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 
 import numpy as np
-import torch
 
 from backend.config import SpeculativeConfig
 from backend.core.kv_cache import KVCacheManager
 from backend.core.request import Request
-from backend.sampling.sampler import draw_uniform
+from backend.core.step import ModelRunnerOutput, SchedulerOutput
 from backend.sampling_params import SamplingParams
+
 
 def ngram_proposal(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
@@ -49,9 +43,9 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, batch: list[tuple[Request, int]]) -> None:
-        for request, k in batch:
-            request.spec_token_ids = ngram_proposal(request.all_token_ids, self.min_n, self.max_n, k)
+    def propose(self, batch: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        return {request.request_id: ngram_proposal(request.all_token_ids, self.min_n, self.max_n, k)
+                for request, k in batch}
 
     def finish(self, request: Request) -> None:
         pass
@@ -103,7 +97,7 @@ class DraftModelProposer:
         self.shadows[request.request_id] = (shadow, len(tokens))
         return shadow
 
-    def propose(self, batch: list[tuple[Request, int]]) -> None:
+    def propose(self, batch: list[tuple[Request, int]]) -> dict[str, list[int]]:
         work: list[tuple[Request, Request, int]] = []
         for request, k in batch:
             if request.num_tokens + k > self.max_len:
@@ -116,12 +110,12 @@ class DraftModelProposer:
             work.append((request, shadow, k))
         for i in range(max((k for _, _, k in work), default=0)):
             shadows = [shadow for _, shadow, k in work if k > i]
-            logits, sampled, _ = self.runner.execute([(s, s.num_tokens - s.num_computed_tokens) for s in shadows])
+            step = SchedulerOutput([(s, s.num_tokens - s.num_computed_tokens) for s in shadows])
+            logits, sampled, _ = self.runner.execute(step)
             for shadow, token in zip(sampled, logits.argmax(dim=-1).tolist()):
                 shadow.num_computed_tokens = shadow.num_tokens
                 shadow.all_token_ids.append(token)
-        for request, shadow, _ in work:
-            request.spec_token_ids = shadow.all_token_ids[request.num_tokens:]
+        return {request.request_id: shadow.all_token_ids[request.num_tokens:] for request, shadow, _ in work}
 
     def finish(self, request: Request) -> None:
         shadow, _ = self.shadows.pop(request.request_id, (None, 0))
@@ -130,73 +124,35 @@ class DraftModelProposer:
 
 
 class SpeculativeDecoder:
-    """The engine's side: propose before scheduling, then keep what verification accepted."""
+    """The engine's side: propose before scheduling, count what verification accepted after."""
 
     def __init__(self, engine_config, target, kv_cache: KVCacheManager, metrics, max_model_len: int) -> None:
         config: SpeculativeConfig = engine_config.speculative_config  # parsed by EngineConfig
         self.num_speculative_tokens = config.num_speculative_tokens
         self.kv_cache = kv_cache
         self.metrics = metrics
-        self.generator_states: dict[str, torch.Tensor] = {}
         self.proposer = (NgramProposer(config) if config.method == "ngram"
                          else DraftModelProposer(config, engine_config, target, max_model_len))
 
-    def propose(self, running: list[Request]) -> None:
+    def propose(self, running: list[Request]) -> dict[str, list[int]]:
         """Drafts for every running request that decodes (the rest get none). Requests with a grammar
         are left out: their grammar state would have to follow each draft."""
         batch = []
         for request in running:
-            request.spec_token_ids = []
             # A step yields at most k + 1 tokens; leave room for them under max_tokens.
             k = min(self.num_speculative_tokens, request.params.max_tokens - request.num_output_tokens - 1)
             if k > 0 and request.grammar is None and request.num_computed_tokens == request.num_tokens - 1:
                 batch.append((request, k))
-        self.proposer.propose(batch)
+        return self.proposer.propose(batch)
 
-    def verification_rows(self, requests: list[Request]) -> list[Request]:
-        """The rows to sample (see `verification_rows`), noting where seeded generators stand: the
-        Sampler draws a number for every drafted position, `verified` replays only the positions kept,
-        so a seeded request's n-th token always gets its n-th draw, as without speculation."""
-        self.generator_states = {r.request_id: r.generator.get_state() for r in requests
-                                 if r.spec_token_ids and r.generator is not None and not r.params.greedy}
-        return verification_rows(requests)
-
-    def verified(self, request: Request, num_accepted: int) -> None:
-        """After sampling a decode with drafts: replay the seeded generator for the rows kept and
-        count the drafts (the scheduler's `update_from_output` counts the computed tokens)."""
-        state = self.generator_states.pop(request.request_id, None)
-        if state is not None:  # one draw per row kept (rows are drawn one by one, from one stream)
-            request.generator.set_state(state)
-            for _ in range(num_accepted + 1):
-                draw_uniform(request.generator)
-        self.metrics.registry.inc(self.metrics.spec_decode_num_drafts)
-        self.metrics.registry.inc(self.metrics.spec_decode_num_draft_tokens, len(request.spec_token_ids))
-        self.metrics.registry.inc(self.metrics.spec_decode_num_accepted_tokens, num_accepted)
+    def count(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """The step's drafts, drafted tokens and accepted ones, in vLLM's counters."""
+        registry, m = self.metrics.registry, self.metrics
+        for request_id, drafts in scheduler_output.spec_token_ids.items():
+            registry.inc(m.spec_decode_num_drafts)
+            registry.inc(m.spec_decode_num_draft_tokens, len(drafts))
+            registry.inc(m.spec_decode_num_accepted_tokens, len(runner_output.sampled_token_ids[request_id]) - 1)
 
     def finish(self, request: Request) -> None:
         self.proposer.finish(request)
-
-
-def verification_rows(requests: list[Request]) -> list[Request]:
-    """One row per scored position: each request, then for its i-th draft a copy that sees the
-    drafts before it as output (for penalties, min_tokens and seeds, which draw row by row)."""
-    if not any(r.spec_token_ids for r in requests):
-        return requests
-    rows = []
-    for request in requests:
-        rows.append(request)
-        for i in range(1, len(request.spec_token_ids) + 1):
-            view = copy.copy(request)
-            view.all_token_ids = request.all_token_ids + request.spec_token_ids[:i]
-            rows.append(view)
-    return rows
-
-
-def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
-    """The tokens a step appends: the drafts the target sampled too, then its first other token
-    (or, all drafts accepted, the bonus token of the last row)."""
-    num_accepted = 0
-    while num_accepted < len(drafts) and sampled[num_accepted] == drafts[num_accepted]:
-        num_accepted += 1
-    return sampled[:num_accepted + 1]
 

@@ -22,22 +22,23 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from backend.worker import distributed, parallel_state
-
-from backend.core import kv_memory
-
-from backend.sampling import prompt_logprobs
-
 from backend import quantization
-from backend.ops.attention import AttentionMetadata, PrefillSpan
 from backend.config import EngineConfig
-from backend.errors import check
+from backend.core import kv_memory
 from backend.core.kv_memory import KVCacheLayout
-from backend.lora.layers import LoRABatch, LoRAModel
-from backend.worker.model_loader import load_model, model_args, resolve_device, resolve_dtype
-from backend.models import check_parallel
-from backend.sampling.prompt_logprobs import PromptScores
 from backend.core.request import Request
+from backend.core.step import ModelRunnerOutput, SchedulerOutput
+from backend.multimodal import ImageInput
+from backend.errors import check
+from backend.lora.layers import LoRABatch, LoRAModel
+from backend.models import check_parallel
+from backend.ops.attention import AttentionMetadata, PrefillSpan
+from backend.sampling import prompt_logprobs
+from backend.sampling.prompt_logprobs import PromptScores
+from backend.sampling.sampler import Sampler
+from backend.sampling.verification import sample_and_verify
+from backend.worker import distributed, parallel_state
+from backend.worker.model_loader import load_model, model_args, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class StepPlan:
     sample_rows: list[int]
     lora: LoRABatch | None = None  # the tokens of each adapter, when LoRA is on
     prompt_rows: list[int] = dataclasses.field(default_factory=list)  # rows scoring prompt tokens
+    image_rows: torch.Tensor | None = None  # rows whose embeddings are image features, not token ids'
+    image_embeds: torch.Tensor | None = None  # [len(image_rows), hidden]
 
     @property
     def logit_rows(self) -> list[int]:
@@ -79,6 +82,10 @@ class ModelRunner:
             raise
         # LoRA wraps the loaded (on the CPU, packed) projections, before the KV cache is sized.
         self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
+        self.sampler = Sampler(config.seed)
+        # Image features by image hash, from the step that first needs them until the step that
+        # computes the last of their placeholders: a step never encodes an image twice.
+        self.encoder_cache: dict[str, torch.Tensor] = {}
         self._allocate_kv_cache()
         self.cuda_graphs = self._capture_cuda_graphs()
         logger.info("model %s on %s in %s; KV cache %d blocks of %d tokens", model_path,
@@ -157,38 +164,25 @@ class ModelRunner:
                 target.index_copy_(2, dst.to(target.device), blocks)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]]
-                ) -> tuple[torch.Tensor, list[Request], list[PromptScores]]:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and sample it: each request whose step reaches its last known token gets
+        its next token (verifying drafts: the drafts the target agrees with, then its own)."""
+        logits, requests, prompt_scores = self.execute(scheduler_output)
+        output = ModelRunnerOutput(prompt_scores=prompt_scores)
+        if requests:
+            drafts = [scheduler_output.drafts(r) for r in requests]
+            for request, (tokens, logprobs) in zip(requests, sample_and_verify(self.sampler, logits, requests, drafts)):
+                output.sampled_token_ids[request.request_id] = tokens
+                output.logprobs[request.request_id] = logprobs
+        return output
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, list[Request], list[PromptScores]]:
         """Run one step. Returns logits [num_sampled, vocab] and the requests they belong to: one
-        row each, or 1 + len(request.spec_token_ids) consecutive rows for a request with drafts;
-        and the prompt tokens this step scored for requests asking prompt logprobs."""
+        row each, or 1 + its number of drafts consecutive rows for a request verifying drafts; and
+        the prompt tokens this step scored for requests asking prompt logprobs."""
         self._check_workers()
-        plans, sample_requests = [], []
-        prompt_spans: list[tuple[Request, range]] = []
-        for batch in micro_batches(scheduled, self.parallel.pp_size):
-            decodes = [(r, n) for r, n in batch if n == 1 and r.num_computed_tokens > 0]
-            prefills = [(r, n) for r, n in batch if not (n == 1 and r.num_computed_tokens > 0)]
-            lora_batch = None
-            if self.lora is not None:
-                decodes, prefills, lora_batch = self._lora_layout(decodes, prefills)
-            input_ids, positions, meta = self._prepare(decodes, prefills)
-            # Only a request whose step reaches its last known token samples the next one; one with
-            # speculative drafts also gets a row for each of them, to verify it.
-            rows: list[int] = []
-            prompt_rows: list[int] = []
-            offset = 0
-            for request, n in decodes + prefills:
-                to_score = prompt_logprobs.positions_to_score(request, request.num_computed_tokens, n)
-                if to_score:
-                    first = offset + to_score.start - request.num_computed_tokens
-                    prompt_rows.extend(range(first, first + len(to_score)))
-                    prompt_spans.append((request, to_score))
-                offset += n
-                num_drafts = len(request.spec_token_ids)
-                if request.num_computed_tokens + n == request.num_tokens + num_drafts:
-                    rows.extend(range(offset - 1 - num_drafts, offset))
-                    sample_requests.append(request)
-            plans.append(StepPlan(input_ids, positions, meta, rows, lora_batch, prompt_rows))
+        plans, sample_requests, prompt_spans = self.prepare_inputs(scheduler_output)
         if self.parallel.world_size > 1:
             parallel_state.broadcast_plan(("step", plans), self.parallel)
         logits = self._run(plans)
@@ -207,6 +201,70 @@ class ModelRunner:
         if not sample_requests:
             return torch.empty(0, self.args.vocab_size), [], scores
         return logits.cpu(), sample_requests, scores
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput
+                       ) -> tuple[list[StepPlan], list[Request], list[tuple[Request, range]]]:
+        """The step as one plan per micro-batch (decodes first, then prefill chunks, each group in
+        LoRA slot order), the requests that sample (in row order) and the prompt positions scored."""
+        plans, sample_requests = [], []
+        prompt_spans: list[tuple[Request, range]] = []
+        drafts = scheduler_output.spec_token_ids
+        for batch in micro_batches(scheduler_output.scheduled, self.parallel.pp_size):
+            decodes = [(r, n) for r, n in batch if n == 1 and r.num_computed_tokens > 0]
+            prefills = [(r, n) for r, n in batch if not (n == 1 and r.num_computed_tokens > 0)]
+            lora_batch = None
+            if self.lora is not None:
+                decodes, prefills, lora_batch = self._lora_layout(decodes, prefills)
+            input_ids, positions, meta = self._flat_inputs(decodes, prefills, drafts)
+            image_rows, image_embeds = self._image_embeddings(decodes + prefills)
+            # Only a request whose step reaches its last known token samples the next one; one with
+            # speculative drafts also gets a row for each of them, to verify it.
+            rows: list[int] = []
+            prompt_rows: list[int] = []
+            offset = 0
+            for request, n in decodes + prefills:
+                to_score = prompt_logprobs.positions_to_score(request, request.num_computed_tokens, n)
+                if to_score:
+                    first = offset + to_score.start - request.num_computed_tokens
+                    prompt_rows.extend(range(first, first + len(to_score)))
+                    prompt_spans.append((request, to_score))
+                offset += n
+                num_drafts = len(drafts.get(request.request_id, ()))
+                if request.num_computed_tokens + n == request.num_tokens + num_drafts:
+                    rows.extend(range(offset - 1 - num_drafts, offset))
+                    sample_requests.append(request)
+            plans.append(StepPlan(input_ids, positions, meta, rows, lora_batch, prompt_rows, image_rows, image_embeds))
+        return plans, sample_requests, prompt_spans
+
+    def _image_embeddings(self, scheduled: list[tuple[Request, int]]
+                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The rows of a micro-batch that hold image placeholders and their features: each image
+        encoded once (images of one size in one batch), kept until its last placeholder is computed."""
+        wanted: list[tuple[int, ImageInput, tuple[int, int]]] = []  # (first row, image, feature span)
+        offset = 0
+        for request, n in scheduled:
+            start = request.num_computed_tokens
+            for image in request.images:
+                span = image.overlap(start, start + n)
+                if span is not None:
+                    wanted.append((offset + image.offset + span[0] - start, image, span))
+            offset += n
+        if not wanted:
+            return None, None
+        missing = {image.hash: image for _, image, _ in wanted if image.hash not in self.encoder_cache}
+        by_size: dict[tuple[int, ...], list[ImageInput]] = {}
+        for image in missing.values():
+            by_size.setdefault(tuple(image.pixel_values.shape), []).append(image)
+        for images in by_size.values():
+            features = self.model.vision(torch.stack([i.pixel_values for i in images]).to(self.device, self.dtype))
+            for image, feature in zip(images, features):
+                self.encoder_cache[image.hash] = feature
+        rows = torch.cat([torch.arange(row, row + span[1] - span[0]) for row, _, span in wanted])
+        embeds = torch.cat([self.encoder_cache[image.hash][span[0]:span[1]] for _, image, span in wanted])
+        for _, image, span in wanted:
+            if span[1] == image.length:  # its last placeholder is computed this step
+                self.encoder_cache.pop(image.hash, None)
+        return rows.to(self.device), embeds
 
     def _lora_layout(self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]):
         """Load the step's adapters into slots and order the decodes, then the prefills, by slot,
@@ -240,6 +298,9 @@ class ModelRunner:
             if graph_ready:
                 final = self.cuda_graphs.replay(plan.input_ids, plan.positions, plan.meta)[rows]
             else:
+                if plan.image_rows is not None and parallel.is_first_stage:
+                    hidden = model.embed(plan.input_ids)
+                    hidden[plan.image_rows] = plan.image_embeds.to(hidden.dtype)
                 hidden, residual = model.run_stage(plan.input_ids, plan.positions, self.kv_caches, plan.meta,
                                                    hidden, residual)
                 if not parallel.is_last_stage:
@@ -306,36 +367,35 @@ class ModelRunner:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def _prepare(self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The step as flat tensors: token ids, positions and the attention metadata."""
+    def _flat_inputs(self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]],
+                     drafts: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A micro-batch as flat tensors: token ids, positions and the attention metadata. Positions
+        and cache slots come from each request's start and count with tensor ops (no per-token loop)."""
         block_size = self.block_size
+        scheduled = decodes + prefills
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for request, n in decodes + prefills:
+        for request, n in scheduled:
             start = request.num_computed_tokens
-            tokens = request.all_token_ids
-            if request.spec_token_ids:
-                tokens = tokens + request.spec_token_ids
-            input_ids.extend(tokens[start:start + n])
-            table = request.block_table
-            for pos in range(start, start + n):
-                positions.append(pos)
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-
-        def tables(requests: list[Request], lens: list[int]) -> torch.Tensor:
-            """Each request's blocks covering its length, padded with block 0 to the longest."""
-            width = -(-max(lens, default=0) // block_size)
-            rows = [r.block_table[:width] + [0] * (width - len(r.block_table[:width])) for r in requests]
-            return torch.tensor(rows, dtype=torch.int32).view(len(requests), width).to(self.device)
+            tokens = request.all_token_ids[start:start + n]
+            if len(tokens) < n:  # a decode verifying drafts: they follow its last token
+                tokens += drafts[request.request_id][:n - len(tokens)]
+            input_ids.extend(tokens)
+        counts = torch.tensor([n for _, n in scheduled], dtype=torch.int64)
+        starts = torch.tensor([r.num_computed_tokens for r, _ in scheduled], dtype=torch.int64)
+        lens = (starts + counts).tolist()
+        width = -(-max(lens, default=0) // block_size)
+        block_tables = torch.tensor([r.block_table[:width] + [0] * (width - len(r.block_table[:width]))
+                                     for r, _ in scheduled], dtype=torch.int32).view(len(scheduled), width)
+        token_rows = torch.repeat_interleave(torch.arange(len(scheduled)), counts)
+        first_token = torch.cumsum(counts, 0) - counts  # each request's first row in the flat batch
+        positions = starts[token_rows] + torch.arange(len(token_rows)) - first_token[token_rows]
+        slots = block_tables[token_rows, positions // block_size].to(torch.int64) * block_size + positions % block_size
 
         def int32(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=self.device)
 
-        decode_lens = [r.num_computed_tokens + 1 for r, _ in decodes]
-        prefill_lens = [r.num_computed_tokens + n for r, n in prefills]
-        block_tables = tables([r for r, _ in decodes + prefills], decode_lens + prefill_lens)
+        block_tables = block_tables.to(self.device)
+        prefill_lens = lens[len(decodes):]
         prefill_tables = block_tables[len(decodes):]
         spans, query_starts = [], [0]
         offset = len(decodes)
@@ -343,12 +403,11 @@ class ModelRunner:
             spans.append(PrefillSpan(offset, n, context_len, prefill_tables[i, :-(-context_len // block_size)]))
             offset += n
             query_starts.append(query_starts[-1] + n)
-        counts = int32([n for _, n in decodes + prefills])
-        position_ids = torch.tensor(positions, device=self.device)
+        position_ids = positions.to(self.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            slot_mapping=slots.to(self.device),
             num_decodes=len(decodes),
-            decode_seq_lens=int32(decode_lens),
+            decode_seq_lens=int32(lens[:len(decodes)]),
             decode_block_tables=block_tables[:len(decodes)],
             prefills=spans,
             prefill_query_starts=int32(query_starts),
@@ -356,12 +415,10 @@ class ModelRunner:
             prefill_block_tables=prefill_tables,
             max_prefill_query_len=max((n for _, n in prefills), default=0),
             block_tables=block_tables,
-            token_rows=torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32, device=self.device),
-                                               counts),
+            token_rows=token_rows.to(device=self.device, dtype=torch.int32),
             token_context_lens=(position_ids + 1).to(torch.int32),  # each token attends up to itself
         )
         return torch.tensor(input_ids, device=self.device), position_ids, meta
-
 
 def micro_batches(scheduled: list[tuple[Request, int]], count: int) -> list[list[tuple[Request, int]]]:
     """The step's requests in up to `count` groups of about equal tokens (one per pipeline stage,

@@ -1,0 +1,92 @@
+"""Images into a request, as vLLM's offline API takes them: `{"prompt": text, "multi_modal_data":
+{"image": a PIL image or a list of them}}`.
+
+The model's own Hugging Face processor (`AutoProcessor`, from the model's folder) turns the text and
+images into token ids, with each image's placeholder token repeated once per feature the vision
+tower will make, and into pixel tensors. Each image becomes an `ImageInput`: its pixels, where its
+placeholders sit in the prompt, and a hash of its pixels, which keys the prefix cache (the same
+image and prompt share blocks, a different image never does) and the runner's encoder cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backend.errors import EngineError, check
+
+MAX_IMAGES_PER_PROMPT = 16  # vLLM's --limit-mm-per-prompt; the engine's own bound
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    pixel_values: torch.Tensor  # [3, H, W] as the model's image processor made it
+    offset: int  # the first of its placeholder tokens in the prompt
+    length: int  # its placeholder tokens: the features the model makes of it
+    hash: str  # sha256 of its pixels (shape and values)
+
+    def overlap(self, start: int, end: int) -> tuple[int, int] | None:
+        """The part of this image's placeholders among prompt positions [start, end), as offsets
+        into its features, or None."""
+        first, last = max(start, self.offset), min(end, self.offset + self.length)
+        return (first - self.offset, last - self.offset) if first < last else None
+
+
+def pixel_hash(pixels: torch.Tensor) -> str:
+    data = pixels.detach().to("cpu", torch.float32).contiguous()
+    return hashlib.sha256(str(tuple(data.shape)).encode() + data.numpy().tobytes()).hexdigest()
+
+
+def images_of(multi_modal_data: Any) -> list:
+    """The images of a request's `multi_modal_data` (one or a list), checked to be images."""
+    check(isinstance(multi_modal_data, dict), "multi_modal_data", "must be a dict such as {'image': image}")
+    unknown = set(multi_modal_data) - {"image"}
+    check(not unknown, "multi_modal_data", f"only 'image' is supported, not {sorted(unknown)}")
+    images = multi_modal_data.get("image")
+    images = images if isinstance(images, (list, tuple)) else [images]
+    from PIL import Image
+
+    for index, image in enumerate(images):
+        check(isinstance(image, Image.Image), "multi_modal_data",
+              f"image {index} must be a PIL image, not {type(image).__name__}")
+    check(0 < len(images) <= MAX_IMAGES_PER_PROMPT, "multi_modal_data",
+          f"takes 1 to {MAX_IMAGES_PER_PROMPT} images per prompt, not {len(images)}")
+    return list(images)
+
+
+class ImageProcessor:
+    """The model's processor, and how many placeholder tokens each image takes (`tokens_per_image`,
+    from the model's vision spec)."""
+
+    def __init__(self, model_path: str, image_token_id: int, tokens_per_image) -> None:
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=False)
+        self.image_token_id = image_token_id
+        self.tokens_per_image = tokens_per_image
+
+    def __call__(self, prompt: str, multi_modal_data: Any) -> tuple[list[int], list[ImageInput]]:
+        images = images_of(multi_modal_data)
+        try:
+            inputs = self.processor(text=prompt, images=images, return_tensors="pt")
+        except (ValueError, TypeError, OSError) as error:  # e.g. placeholders and images disagree in number
+            raise EngineError("multi_modal_data", f"the model's processor refused the prompt and images: {error}") \
+                from None
+        prompt_ids = inputs["input_ids"][0].tolist()
+        pixels = inputs["pixel_values"]
+        positions = [i for i, token in enumerate(prompt_ids) if token == self.image_token_id]
+        result, cursor = [], 0
+        for index in range(len(images)):
+            length = self.tokens_per_image(pixels[index])
+            run = positions[cursor:cursor + length]
+            check(len(run) == length and run[-1] - run[0] == length - 1, "prompt",
+                  f"image {index}'s placeholder tokens are not where the processor puts them: "
+                  "give one image placeholder per image, as the model's chat template writes it")
+            result.append(ImageInput(pixels[index], run[0], length, pixel_hash(pixels[index])))
+            cursor += length
+        check(cursor == len(positions), "prompt", f"holds {len(positions) - cursor} image placeholder tokens "
+              "with no image for them")
+        return prompt_ids, result
