@@ -78,6 +78,8 @@ class ModelArgs:
     moe: MoEArgs | None = None  # mixture-of-experts families: the MLP of their sparse layers
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
     mla: LatentAttentionArgs | None = None  # DeepSeek: multi-head latent attention (head_dim: its rope part)
+    # Vision-language families: the image encoder's spec (`build()`, `tokens_per_image`, `image_token_id`).
+    vision: Any = None
     # The family's checkpoint names (`models/loading.py`): checkpoint layers packed into one of ours
     # (q_proj -> (qkv_proj, 0)), and its renames and splits into the decoder's names.
     packed_modules_mapping: dict[str, tuple[str, int]] = field(default_factory=dict)
@@ -199,6 +201,8 @@ class CausalLM(nn.Module):
         self.vocab_per_rank = -(-args.vocab_size // parallel.tp_size)
         self.vocab_start = parallel.tp_rank * self.vocab_per_rank
         self.embed_tokens = nn.Embedding(self.vocab_per_rank, args.hidden_size) if parallel.is_first_stage else None
+        # Images become embeddings where the token ids are, so their encoder lives on the first stage.
+        self.vision = args.vision.build() if args.vision is not None and parallel.is_first_stage else None
         self.layers = nn.ModuleList(DecoderLayer(args, parallel, i) for i in self.layer_ids)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset) if parallel.is_last_stage else None
         self.lm_head = nn.Linear(args.hidden_size, self.vocab_per_rank, bias=False) if parallel.is_last_stage else None
@@ -286,6 +290,8 @@ class CausalLM(nn.Module):
         another stage holds it."""
         name = name.removeprefix("model.")
         parts = name.split(".")
+        if parts[0] == "vision":
+            return name if self.vision is not None else None
         if parts[0] == "layers":
             if int(parts[1]) not in self.layer_ids:
                 return None

@@ -1,0 +1,93 @@
+"""LLaVA 1.5 (`LlavaForConditionalGeneration`): a CLIP vision tower, a two-layer projector, and a
+Llama-shaped decoder (Llama, Mistral, Qwen2: `text_config`). Each image's placeholder token stands
+once per patch feature the tower makes; the decoder sees the projected features in their place.
+
+Checkpoint names: `language_model.model.*` (or `model.language_model.*`) are the decoder's,
+`language_model.lm_head` (or `lm_head`) its head, `vision_tower[.vision_model].*` and
+`multi_modal_projector.*` (either under `model.`) the vision encoder's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import functools
+
+import torch
+from torch import nn
+
+from backend.layers.vision import CLIPVisionTower, Projector, VisionArgs
+from backend.models.decoder import ModelArgs
+from backend.models.llama import llama, qwen2
+
+TEXT_FAMILIES = {"llama": llama, "mistral": llama, "qwen2": qwen2}
+
+
+@dataclass(frozen=True)
+class LlavaVision:
+    """The vision side of a LLaVA model: its tower, its projector and its placeholder token."""
+    tower: VisionArgs
+    text_hidden_size: int
+    image_token_id: int
+    projector_act: str = "gelu"
+    projector_bias: bool = True
+
+    def tokens_per_image(self, pixel_values: torch.Tensor) -> int:
+        return self.tower.num_patches + (0 if self.tower.drop_class_token else 1)
+
+    def build(self) -> nn.Module:
+        return LlavaEncoder(self)
+
+
+class LlavaEncoder(nn.Module):
+    """Images [N, 3, H, W] -> their features in the decoder's width, [N, tokens per image, hidden]."""
+
+    def __init__(self, spec: LlavaVision) -> None:
+        super().__init__()
+        self.tower = CLIPVisionTower(spec.tower)
+        self.projector = Projector(spec.tower.hidden_size, spec.text_hidden_size, spec.projector_act,
+                                   spec.projector_bias)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.tower(pixel_values))
+
+
+def checkpoint_tensors(name: str, tensor: torch.Tensor, args: ModelArgs, text_names) -> list[tuple[str, Any]]:
+    """LLaVA's names under ours: the decoder's as its text family (`text_names`) reads them, the
+    tower and the projector under `vision.`."""
+    name = name.removeprefix("model.")
+    if name.startswith("language_model."):
+        name = name.removeprefix("language_model.")
+        if not name.startswith(("model.", "lm_head.")):
+            name = "model." + name  # transformers 5's own layout: model.language_model.layers...
+        return text_names(name, tensor, args)
+    if name.startswith("vision_tower."):
+        name = name.removeprefix("vision_tower.").removeprefix("vision_model.")
+        if name.startswith(("post_layernorm.", "head.")) or name.startswith("encoder.layers.") and \
+                int(name.split(".")[2]) >= args.vision.tower.layers_to_run:
+            return []  # past the feature layer: never run
+        name = name.removeprefix("embeddings.").replace("encoder.layers.", "layers.")
+        return [("vision.tower." + name, tensor)]
+    if name.startswith("multi_modal_projector."):
+        return [("vision.projector." + name.removeprefix("multi_modal_projector."), tensor)]
+    return text_names(name, tensor, args)
+
+
+def llava(config: dict[str, Any]) -> ModelArgs:
+    text = dict(config["text_config"])
+    family = TEXT_FAMILIES.get(text.get("model_type", "llama"))
+    if family is None:
+        raise ValueError(f"LLaVA over a {text.get('model_type')!r} decoder is not supported "
+                         f"(supported: {', '.join(sorted(TEXT_FAMILIES))})")
+    text["architectures"] = [config["architectures"][0]]
+    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    args = family(text)
+    tower = VisionArgs.from_config(config["vision_config"], config.get("vision_feature_layer", -2),
+                                   config.get("vision_feature_select_strategy", "default"))
+    args.vision = LlavaVision(tower, args.hidden_size, config.get("image_token_index", config.get("image_token_id")),
+                              config.get("projector_hidden_act", "gelu"), config.get("multimodal_projector_bias", True))
+    args.checkpoint_names = functools.partial(checkpoint_tensors, text_names=args.checkpoint_names)
+    return args
+
+
+ARCHITECTURES = {"LlavaForConditionalGeneration": llava}

@@ -1,0 +1,132 @@
+"""Vision-language models, greedy float32 against transformers on tiny random-weight models built from
+its own config classes and processors (every weight perturbed): one and two images per prompt, of
+different sizes, batched with a text-only prompt, under preemption, with an image's placeholders split
+across prefill chunks, and through the prefix cache (the same image hits, another image never does)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backend import LLM, SamplingParams
+from backend.errors import EngineError
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def image(seed: int, height: int, width: int):
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, model_path):
+    """A tiny LLaVA 1.5 over SmolLM2's tokenizer (plus an <image> token), CLIP tower of 3 layers on
+    32 x 32 images in 8 x 8 patches (16 features each), and its processor; (path, HF model, processor)."""
+    from transformers import (AutoTokenizer, CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    path = tmp_path_factory.mktemp("tiny_llava")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", image_token="<image>",
+        num_additional_image_tokens=1)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                       image_size=32, patch_size=8),
+        text_config=LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * (0.3 if param.dim() == 1 else 0.02))
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path), model, processor
+
+
+PROMPTS = [("USER: <image>\nWhat is in it? ASSISTANT:", [image(0, 40, 48)]),
+           ("USER: <image> and <image>: which is brighter? ASSISTANT:", [image(1, 64, 32), image(2, 32, 32)])]
+
+
+def hf_greedy(model, processor, text: str, images: list) -> list[int]:
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(llava):
+    _, model, processor = llava
+    return [hf_greedy(model, processor, text, images) for text, images in PROMPTS]
+
+
+def requests(prompts=PROMPTS):
+    return [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_llava_matches_transformers_batched_with_text(llava, reference):
+    llm = LLM(llava[0], dtype="float32", kv_cache_memory_bytes=64 << 20)
+    outputs = llm.generate(requests() + ["USER: no image here. ASSISTANT:"], GREEDY)
+    assert tokens(outputs)[:2] == reference
+    assert tokens(outputs)[2] == hf_greedy(llava[1], llava[2], "USER: no image here. ASSISTANT:", None)
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"max_num_batched_tokens": 8, "enable_chunked_prefill": True},  # an image's 16 placeholders in 2-3 chunks
+    {"kv_cache_memory_bytes": 8 * (2 * 2 * 16 * 2 * 16 * 4), "block_size": 16},  # 8 blocks: preemption
+], ids=["chunked", "preempted"])
+def test_llava_stays_exact_when_images_are_split_or_preempted(llava, reference, engine_args):
+    llm = LLM(llava[0], dtype="float32", **{"kv_cache_memory_bytes": 64 << 20, **engine_args})
+    outputs = llm.generate(requests() * 3, GREEDY)
+    assert tokens(outputs) == reference * 3
+    engine = llm.llm_engine
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert not engine.runner.encoder_cache  # every image's features dropped once consumed
+    if "block_size" in engine_args:
+        assert {m.name: m.value for m in llm.get_metrics()}["vllm:num_preemptions"] > 0
+
+
+def test_the_prefix_cache_keys_blocks_by_their_images(llava, reference):
+    llm = LLM(llava[0], dtype="float32", kv_cache_memory_bytes=64 << 20, block_size=4)
+    text, images = PROMPTS[0]
+    first = llm.generate(requests([(text, images)]), GREEDY)[0]
+    again = llm.generate(requests([(text, images)]), GREEDY)[0]
+    other_image = image(7, 40, 48)
+    other = llm.generate(requests([(text, [other_image])]), GREEDY)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 16  # the image's blocks too
+    assert tokens([first, again]) == [reference[0]] * 2
+    placeholders = list(llava[2](text=text, images=images)["input_ids"][0]).index(
+        llava[1].config.image_token_index)
+    assert other.num_cached_tokens <= placeholders  # only the text before the image is shared
+    assert tokens([other]) == [hf_greedy(llava[1], llava[2], text, [other_image])]
+
+
+def test_bad_images_are_refused_clearly(llava, model_path):
+    llm = LLM(llava[0], dtype="float32", kv_cache_memory_bytes=64 << 20)
+    text, images = PROMPTS[0]
+    cases = [({"prompt": text, "multi_modal_data": {"image": "not an image"}}, "PIL image"),
+             ({"prompt": text, "multi_modal_data": {"image": images * 2}}, "processor refused"),
+             ({"prompt": text, "multi_modal_data": {"audio": images}}, "only 'image'"),
+             ({"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": images}}, "text prompt")]
+    for prompt, message in cases:
+        with pytest.raises(EngineError, match=message) as error:
+            llm.generate(prompt, GREEDY)
+        assert error.value.param in ("multi_modal_data", "prompt")
+    assert not llm.llm_engine.has_unfinished_requests()
+    text_model = LLM(model_path, dtype="float32", kv_cache_memory_bytes=16 << 20)
+    with pytest.raises(EngineError, match="text only"):
+        text_model.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY)
