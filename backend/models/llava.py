@@ -11,13 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import functools
-
 import torch
 from torch import nn
 
 from backend.layers.vision import CLIPVisionTower, Projector, VisionArgs
 from backend.models.decoder import ModelArgs
+from backend.models.llama import checkpoint_tensors as text_checkpoint_tensors
 from backend.models.llama import llama, qwen2
 
 TEXT_FAMILIES = {"llama": llama, "mistral": llama, "qwen2": qwen2}
@@ -52,15 +51,15 @@ class LlavaEncoder(nn.Module):
         return self.projector(self.tower(pixel_values))
 
 
-def checkpoint_tensors(name: str, tensor: torch.Tensor, args: ModelArgs, text_names) -> list[tuple[str, Any]]:
-    """LLaVA's names under ours: the decoder's as its text family (`text_names`) reads them, the
-    tower and the projector under `vision.`."""
+def checkpoint_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> list[tuple[str, Any]]:
+    """LLaVA's names under ours: the decoder's as the Llama-shaped families read them, the tower
+    and the projector under `vision.`."""
     name = name.removeprefix("model.")
     if name.startswith("language_model."):
         name = name.removeprefix("language_model.")
         if not name.startswith(("model.", "lm_head.")):
             name = "model." + name  # transformers 5's own layout: model.language_model.layers...
-        return text_names(name, tensor, args)
+        return text_checkpoint_tensors(name, tensor, args)
     if name.startswith("vision_tower."):
         name = name.removeprefix("vision_tower.").removeprefix("vision_model.")
         if name.startswith(("post_layernorm.", "head.")) or name.startswith("encoder.layers.") and \
@@ -70,7 +69,7 @@ def checkpoint_tensors(name: str, tensor: torch.Tensor, args: ModelArgs, text_na
         return [("vision.tower." + name, tensor)]
     if name.startswith("multi_modal_projector."):
         return [("vision.projector." + name.removeprefix("multi_modal_projector."), tensor)]
-    return text_names(name, tensor, args)
+    return text_checkpoint_tensors(name, tensor, args)
 
 
 def llava(config: dict[str, Any]) -> ModelArgs:
@@ -86,7 +85,7 @@ def llava(config: dict[str, Any]) -> ModelArgs:
                                    config.get("vision_feature_select_strategy", "default"))
     args.vision = LlavaVision(tower, args.hidden_size, config.get("image_token_index", config.get("image_token_id")),
                               config.get("projector_hidden_act", "gelu"), config.get("multimodal_projector_bias", True))
-    args.checkpoint_names = functools.partial(checkpoint_tensors, text_names=args.checkpoint_names)
+    args.checkpoint_names = checkpoint_tensors  # a module-level function: ModelArgs compare equal
     return args
 
 

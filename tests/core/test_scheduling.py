@@ -57,8 +57,8 @@ def test_outputs_identical_under_every_scheduling_option(model_path, reference, 
     steps = []
     schedule = llm.llm_engine.scheduler.schedule
 
-    def recording_schedule():
-        plan = schedule()
+    def recording_schedule(drafts=None):
+        plan = schedule(drafts)
         steps.append(plan)
         return plan
 
@@ -114,7 +114,7 @@ def test_long_prompt_delays_decodes_by_at_most_one_chunk(model_path):
         assert all(scheduled.get(rid) == 1 for rid in before), "a decode was stalled by the prompt"
         assert plan.num_batched_tokens <= 64
         # finish the step the normal way
-        engine.scheduler.schedule = lambda plan=plan: plan
+        engine.scheduler.schedule = lambda drafts=None, plan=plan: plan
         engine.step()
         del engine.scheduler.schedule
     while engine.has_unfinished_requests():
