@@ -32,7 +32,7 @@ def to_float(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float8 E4M3 -> dtype, exactly, for every code but NaN's (which the quantized weights never
     hold). torch converts float8 one element at a time on the CPU; this moves the bits into a
     float16's places (sign; exponent and mantissa, normal or subnormal alike) and scales by 2^8,
-    in vectorised integer ops, 2-4x faster."""
+    in vectorised integer ops (faster: docs/benchmarks.md, "Timings moved out of docstrings")."""
     code = weight.view(torch.uint8).to(torch.int16)
     half = (((code & 0x7F) << 7) | ((code & 0x80) << 8)).view(torch.float16)
     return (half * 256).to(dtype)
