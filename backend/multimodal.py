@@ -19,6 +19,8 @@ import torch
 from backend.errors import EngineError, check
 
 MAX_IMAGES_PER_PROMPT = 16  # vLLM's --limit-mm-per-prompt; the engine's own bound
+MAX_IMAGE_BYTES = 20 << 20  # an encoded image (PNG, JPEG, ...) as a client sends it
+MAX_IMAGE_PIXELS = 50_000_000  # decoded: width x height, checked before the pixels are decoded
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,27 @@ def images_of(multi_modal_data: Any) -> list:
     check(0 < len(images) <= MAX_IMAGES_PER_PROMPT, "multi_modal_data",
           f"takes 1 to {MAX_IMAGES_PER_PROMPT} images per prompt, not {len(images)}")
     return list(images)
+
+
+def decode_image(data: bytes, param: str, index: int = 0):
+    """An encoded image (PNG, JPEG, WebP, ...) as an RGB PIL image; EngineError(param) for bytes
+    that are not an image, too many bytes, or too many pixels (checked from the header, before the
+    pixels are decoded: a small file can claim a huge image)."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    check(len(data) <= MAX_IMAGE_BYTES, param, f"image {index} is {len(data)} bytes; at most {MAX_IMAGE_BYTES}")
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        check(width * height <= MAX_IMAGE_PIXELS, param,
+              f"image {index} is {width} x {height} pixels; at most {MAX_IMAGE_PIXELS} in all")
+        return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
+        if isinstance(error, EngineError):
+            raise
+        raise EngineError(param, f"image {index} could not be decoded ({type(error).__name__})") from None
 
 
 class ImageProcessor:

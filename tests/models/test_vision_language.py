@@ -130,3 +130,50 @@ def test_bad_images_are_refused_clearly(llava, model_path):
     text_model = LLM(model_path, dtype="float32", kv_cache_memory_bytes=16 << 20)
     with pytest.raises(EngineError, match="text only"):
         text_model.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY)
+
+
+def base64_png(picture) -> bytes:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue())
+
+
+def test_triton_takes_the_vllm_backends_image_input(llava, tmp_path_factory):
+    """tritonclient sends `image` as the vLLM backend's clients do (base64 images, one per element):
+    the text is the offline engine's; an undecodable image is INVALID_ARG naming it, and the model
+    serves on."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from tests.utils.triton import Stream, llm_server, make_inputs, texts
+
+    text, images = PROMPTS[1]
+    params = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    expected = LLM(llava[0], dtype="float32", kv_cache_memory_bytes=64 << 20).generate(
+        requests([(text, images)]), GREEDY)[0].outputs[0].text
+
+    def send(server, encoded: list[bytes]):
+        inputs = make_inputs(text, params, exclude_input_in_output=True)
+        tensor = grpcclient.InferInput("image", [len(encoded)], "BYTES")
+        tensor.set_data_from_numpy(np.array(encoded, dtype=np.object_))
+        stream = Stream(server.grpc_url)
+        try:
+            stream.send(inputs + [tensor])
+            return stream.collect()
+        finally:
+            stream.close()
+
+    engine_args = {"model": llava[0], "dtype": "float32", "kv_cache_memory_bytes": 64 << 20}
+    with llm_server(tmp_path_factory.mktemp("llava_triton"), engine_args) as server:
+        [result] = send(server, [base64_png(i) for i in images])
+        assert texts(result) == [expected]
+        for encoded, message in [([b"bm90IGFuIGltYWdl"], "image 0 could not be decoded"),
+                                 ([b"%%%"], "image 0 is not base64")]:
+            with pytest.raises(InferenceServerException, match=message):
+                send(server, encoded)
+        [result] = send(server, [base64_png(i) for i in images])
+        assert texts(result) == [expected]

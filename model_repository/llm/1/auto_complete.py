@@ -10,6 +10,7 @@ FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cu
 INPUTS = [
     {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     {"name": "input_ids", "data_type": "TYPE_INT32", "dims": [-1], "optional": True},
+    {"name": "image", "data_type": "TYPE_STRING", "dims": [-1], "optional": True},  # base64, one per element
     {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     *({"name": name, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for name in FLAGS),
 ]

@@ -6,11 +6,15 @@ request reaches the engine.
 
 from __future__ import annotations
 
+import base64
+import binascii
+
 import triton_python_backend_utils as pb_utils
 
 from backend import RequestOutputKind, SamplingParams
 from backend.engine.beam_search import pop_beam_options
 from backend.errors import EngineError, check
+from backend.multimodal import MAX_IMAGES_PER_PROMPT, decode_image
 from backend.sampling_params import parse_json
 
 FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason",
@@ -18,7 +22,7 @@ FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason",
                "return_num_output_tokens", "return_num_cached_tokens", "return_prompt_logprobs")
 
 
-def parse_request(request, defaults: dict | None = None) -> tuple[str | list[int], SamplingParams, dict, str | None,
+def parse_request(request, defaults: dict | None = None) -> tuple[str | list[int] | dict, SamplingParams, dict, str | None,
                                                               dict]:
     """Read the request's tensors and parameters; raise EngineError naming what is wrong.
     Returns the prompt, the sampling parameters (`defaults`, the model's generation_config, for
@@ -53,6 +57,10 @@ def parse_request(request, defaults: dict | None = None) -> tuple[str | list[int
         prompt = utf8(text.as_numpy().reshape(-1)[0], "text_input")
     else:
         prompt = [int(t) for t in input_ids.as_numpy().reshape(-1)]
+    images = pb_utils.get_input_tensor_by_name(request, "image")
+    if images is not None and images.as_numpy().size:  # the vLLM backend's: base64 images, one per element
+        check(text is not None, "image", "goes with text_input (the model's processor places each image)")
+        prompt = {"prompt": prompt, "multi_modal_data": {"image": decode_images(images.as_numpy().reshape(-1))}}
 
     tensor = pb_utils.get_input_tensor_by_name(request, "sampling_parameters")
     if tensor is not None:
@@ -74,6 +82,7 @@ def parse_request(request, defaults: dict | None = None) -> tuple[str | list[int
     flags["priority"] = priority
     flags["beam"] = pop_beam_options(values)  # None, or use_beam_search's options (model.py runs it)
     check(not (flags["beam"] and stream), "use_beam_search", "beam search is not streamed; set stream false")
+    check(not (flags["beam"] and isinstance(prompt, dict)), "use_beam_search", "beam search takes text prompts only")
     values = {**(defaults or {}), **values}
     try:
         params = SamplingParams.from_dict(values)
@@ -81,6 +90,19 @@ def parse_request(request, defaults: dict | None = None) -> tuple[str | list[int
         raise EngineError("sampling_parameters", f"invalid value ({error})") from None
     params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     return prompt, params, flags, cache_salt, lora
+
+
+def decode_images(values) -> list:
+    """The `image` tensor's elements: base64 text of encoded images, decoded and bounded."""
+    check(len(values) <= MAX_IMAGES_PER_PROMPT, "image", f"at most {MAX_IMAGES_PER_PROMPT} images per request")
+    images = []
+    for index, value in enumerate(values):
+        try:
+            data = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise EngineError("image", f"image {index} is not base64") from None
+        images.append(decode_image(data, "image", index))
+    return images
 
 
 def utf8(value, name: str) -> str:
