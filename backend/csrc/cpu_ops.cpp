@@ -14,6 +14,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <omp.h>
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -260,6 +262,83 @@ void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next
     for (int j = 0; j < V; ++j) store(out + g * dim + j * kLanes, acc[g][j] / sum[g]);
 }
 
+// attend_one for targets with 16 vector registers of 8 or 4 floats (AVX2, SSE; NEON has 32): the
+// same algorithm and prefetches, its loops ordered so that what each keeps fits in registers.
+// attend_one holds G x V query vectors, G x V accumulators and G x kLanes partial dots at once (72
+// vectors for 3 query heads of 64 on AVX2), which GCC spills to the stack and reloads per position;
+// here one query head at a time takes a chunk's kLanes positions with 4 of its query vectors and
+// kLanes dot products in registers (13), then its output in slices of 8 vectors with one
+// probability broadcast (10), the chunk's keys and values staying in L1 between heads. The lanes
+// past a short chunk read its first position again (valid memory) and get probability 0. The
+// queries are scaled once up front. docs/benchmarks.md ("Attention on AVX2") has what it gained.
+template <typename T, int G, int V>
+__attribute__((optimize("fp-contract=fast")))
+void attend_one_narrow(T* out, const T* query, const Item<T>& item, const Item<T>& next, int64_t block_size,
+                       float scale, float cap) {
+  constexpr int64_t dim = V * kLanes;
+  constexpr int QBlock = V < 4 ? V : 4, OutBlock = V < 8 ? V : 8;
+  static_assert(V % QBlock == 0 && V % OutBlock == 0, "dim must be whole blocks of vectors");
+  const T *key_cache = item.keys, *value_cache = item.values;
+  const int64_t len = item.len;
+  alignas(64) float q[G][dim], acc[G][dim] = {};
+  float max[G], sum[G] = {};
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < V; ++j) store(q[g] + j * kLanes, load(query + g * dim + j * kLanes) * scale);
+    max[g] = -INFINITY;
+  }
+  const T* keys[kLanes];
+  const T* values[kLanes];
+  const int64_t shift = next.begin - item.begin;
+  for (int64_t start = item.begin; start < len; start += kLanes) {
+    const int64_t count = std::min<int64_t>(len - start, kLanes);
+    for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(item.table, start + p, block_size) * dim;
+    for (int64_t p = count; p < kLanes; ++p) keys[p] = keys[0];
+    for (int64_t p = 0; p < kLanes; ++p) values[p] = value_cache + (keys[p] - key_cache);
+    prefetch_after_jump(item, start + kLanes, block_size, dim);
+    prefetch_rows<2>(next, start + shift, block_size, dim);
+    for (int g = 0; g < G; ++g) {
+      vfloat dots[kLanes] = {};
+      for (int j0 = 0; j0 < V; j0 += QBlock) {
+        vfloat qs[QBlock];
+        for (int j = 0; j < QBlock; ++j) qs[j] = load(q[g] + (j0 + j) * kLanes);
+#pragma GCC unroll 16
+        for (int p = 0; p < kLanes; ++p)
+#pragma GCC unroll 4
+          for (int j = 0; j < QBlock; ++j) dots[reversed(p)] += qs[j] * load(keys[p] + (j0 + j) * kLanes);
+      }
+      vfloat scores = sum_each(dots);
+      if (cap > 0.f) scores = soft_cap(scores, cap);
+      for (int64_t p = count; p < kLanes; ++p) scores[p] = -INFINITY;
+      const float new_max = std::max(max[g], max_lanes(scores));
+      if (new_max > max[g]) {  // rescale only when the running max moves (rarely after the start)
+        const float correction = std::exp(max[g] - new_max);
+        sum[g] *= correction;
+        for (int j = 0; j < V; ++j) store(acc[g] + j * kLanes, load(acc[g] + j * kLanes) * correction);
+        max[g] = new_max;
+      }
+      alignas(64) float probs[kLanes];
+      const vfloat weights = exp_lanes(scores - new_max);
+      store(probs, weights);
+      sum[g] += sum_lanes(weights);
+      for (int j0 = 0; j0 < V; j0 += OutBlock) {
+        vfloat a[OutBlock];
+        for (int j = 0; j < OutBlock; ++j) a[j] = load(acc[g] + (j0 + j) * kLanes);
+        for (int64_t p = 0; p < count; ++p) {
+          const vfloat w = splat(probs[p]);
+#pragma GCC unroll 8
+          for (int j = 0; j < OutBlock; ++j) a[j] += w * load(values[p] + (j0 + j) * kLanes);
+        }
+        for (int j = 0; j < OutBlock; ++j) store(acc[g] + (j0 + j) * kLanes, a[j]);
+      }
+    }
+  }
+  for (int64_t start = len + shift; start < next.len; start += kLanes) prefetch_rows<2>(next, start, block_size, dim);
+  for (int g = 0; g < G; ++g) {
+    const float inverse = 1.f / sum[g];
+    for (int j = 0; j < V; ++j) store(out + g * dim + j * kLanes, load(acc[g] + j * kLanes) * inverse);
+  }
+}
+
 #if defined(__AVX512BF16__)
 // bfloat16 attention on AVX512-BF16's dot-product instruction (vdpbf16ps: 32 pairs of bf16 into 16
 // float32 lanes, each lane adding two exact products): the algorithm of attend_one without widening
@@ -360,17 +439,24 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, c
 template <typename T>
 using AttendOne = void (*)(T*, const T*, const Item<T>&, const Item<T>&, int64_t, float, float);
 
+// attend_one where vectors are 16 floats (32 registers), attend_one_narrow where they are 8 or 4.
+template <typename T, int G, int V>
+constexpr AttendOne<T> attend_for() {
+  if constexpr (kLanes == 16) return attend_one<T, G, V>;
+  else return attend_one_narrow<T, G, V>;
+}
+
 template <typename T, int V>
 AttendOne<T> pick_group(int64_t group) {
   switch (group) {
-    case 1: return attend_one<T, 1, V>;
-    case 2: return attend_one<T, 2, V>;
-    case 3: return attend_one<T, 3, V>;
-    case 4: return attend_one<T, 4, V>;
-    case 5: return attend_one<T, 5, V>;
-    case 6: return attend_one<T, 6, V>;
-    case 7: return attend_one<T, 7, V>;
-    case 8: return attend_one<T, 8, V>;
+    case 1: return attend_for<T, 1, V>();
+    case 2: return attend_for<T, 2, V>();
+    case 3: return attend_for<T, 3, V>();
+    case 4: return attend_for<T, 4, V>();
+    case 5: return attend_for<T, 5, V>();
+    case 6: return attend_for<T, 6, V>();
+    case 7: return attend_for<T, 7, V>();
+    case 8: return attend_for<T, 8, V>();
     default: return nullptr;
   }
 }
@@ -513,6 +599,36 @@ void sample_rows(int64_t* out, const float* logits, int64_t stride, int64_t rows
   }
 }
 
+// The fused multiply-adds this CPU retires a second: each thread runs kChains independent chains of
+// vector FMAs (enough to cover the instruction's latency on every pipe), `rounds` times. Returns the
+// float operations done (2 per lane per FMA); the caller times the call. What "% of the FMA peak"
+// in docs/benchmarks.md divides by: clocks are not reported inside VMs, so the peak is measured.
+volatile float sink;
+
+__attribute__((optimize("fp-contract=fast"))) int64_t fma_peak(int64_t rounds) {
+  constexpr int kChains = 12;
+  int64_t threads = 1;
+  float checksum = 0.f;
+#pragma omp parallel
+  {
+#pragma omp single
+    threads = omp_get_num_threads();
+    vfloat acc[kChains];
+    for (int c = 0; c < kChains; ++c) acc[c] = splat(1.f + c * 1e-3f);
+    const vfloat a = splat(0.999999f), b = splat(1e-7f);
+    for (int64_t r = 0; r < rounds; ++r) {
+#pragma GCC unroll 12
+      for (int c = 0; c < kChains; ++c) acc[c] = acc[c] * a + b;
+    }
+    float total = 0.f;
+    for (int c = 0; c < kChains; ++c) total += sum_lanes(acc[c]);
+#pragma omp atomic
+    checksum += total;
+  }
+  sink = checksum;  // the chains' results are used, so they are computed
+  return threads * rounds * kChains * kLanes * 2;
+}
+
 }  // namespace
 
 // The C entry points: one per op and element type (f32, bf16), pointers in, nothing returned.
@@ -552,6 +668,8 @@ void sample_rows(int64_t* out, const float* logits, int64_t stride, int64_t rows
                        token_rows, context_lens, tokens, heads, kv_heads, dim, num_blocks,           \
                        block_size, scale, window, cap);                                              \
   }
+
+extern "C" int64_t fma_peak_flop(int64_t rounds) { return fma_peak(rounds); }
 
 extern "C" void sample_rows_f32(int64_t* out, const float* logits, int64_t stride, int64_t rows,
                                 int64_t vocab, const float* temperatures, const float* uniforms) {

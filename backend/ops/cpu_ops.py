@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -309,6 +310,30 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torc
     _call("sample_rows", torch.float32, out.data_ptr(), logits.data_ptr(), logits.stride(0), rows, vocab,
           temperatures.data_ptr(), uniforms.data_ptr())
     return out
+
+
+def fma_peak_gflops(seconds: float = 0.5) -> float:
+    """The float32 GFLOP/s this CPU's vector FMAs retire on torch's threads (chains of FMAs that
+    touch no memory): the peak a kernel's GFLOP/s is a fraction of. Measured, since a VM does not
+    report its clock; runs for about `seconds`."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the CPU kernels are not built here")
+    library.fma_peak_flop.argtypes, library.fma_peak_flop.restype = [i64], i64
+    rounds = 1 << 16
+    while True:
+        start = time.perf_counter()
+        flop = library.fma_peak_flop(rounds)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds / 4:
+            break
+        rounds *= 4
+    best = flop / elapsed
+    for _ in range(3):  # the fastest of a few: another process's slice only ever slows one down
+        start = time.perf_counter()
+        flop = library.fma_peak_flop(rounds)
+        best = max(best, flop / (time.perf_counter() - start))
+    return best / 1e9
 
 
 @functools.cache

@@ -24,6 +24,21 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c+
 def test_library_builds_and_loads():
     assert cpu_ops.available(), "the C++ ops did not build: see the warning logged by backend.ops.cpu_ops"
 
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
+def test_fma_peak_scales_with_threads():
+    """The measured peak is the FMA chains' rate: on two threads more than one thread's (about twice
+    on a quiet host; the bound leaves room for a busy one)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.fma_peak_gflops(seconds=0.2)
+        torch.set_num_threads(2)
+        two = cpu_ops.fma_peak_gflops(seconds=0.2)
+    finally:
+        torch.set_num_threads(threads)
+    assert one > 1 and 1.1 * one < two < 2.5 * one
+
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tools.bench import cli as bench
 from tools.bench import servers, triton_vllm
 from tools.bench.external_clients import aiperf_command, figures_from_export
 from tools.bench.report import RequestRecord, percentile, summarize
-from tools.bench.runners import run_server_mode
+from tools.bench.runners import linear_flop, run_server_mode
 from tools.bench.workloads import make_workload
 
 
@@ -48,6 +49,8 @@ def test_offline_and_hf_modes_report_ratios_per_dtype(tmp_path, model_path, caps
         offline = results[f"offline {dtype}"]
         assert offline["output_tokens_per_s"] > 0 and offline["failed"] == 0 and offline["dtype"] == dtype
         assert results[f"hf-batch {dtype}"]["requests"] == 3
+        assert offline["linear_gflops"] > 0
+    assert results["offline float32"]["fma_peak_gflops"] > 0 and results["offline bfloat16"]["fma_peak_gflops"] is None
     report = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if line.startswith("hf-batch")}
     for dtype in ("float32", "bfloat16"):  # each ratio against the offline figure at its own dtype
         ratio = results[f"offline {dtype}"]["output_tokens_per_s"] / results[f"hf-batch {dtype}"]["output_tokens_per_s"]
@@ -407,3 +410,12 @@ def test_prompt_as_text_sends_only_the_vllm_backend_inputs():
         asyncio.run(run({"max_tokens": 4, "cache_salt": "tenant"}))
     assert error.value.status == 400 and "cache_salt" in error.value.message
     assert len(sent) == 1
+
+
+def test_linear_flop_counts_every_projection_per_token_fed_in_and_the_head_per_output():
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 6), torch.nn.Linear(6, 4)])
+    model.embed_tokens = torch.nn.Embedding(10, 4)
+    model.lm_head = torch.nn.Linear(4, 10, bias=False)
+    # 2 requests, 5 prompt tokens and 3 output tokens in all: 5 + 3 - 2 tokens through the layers
+    assert linear_flop(model, prompt_tokens=5, output_tokens=3, requests=2) == 2 * ((24 + 24) * 6 + 40 * 3)

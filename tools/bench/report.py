@@ -113,6 +113,12 @@ def print_report(results: dict, references: dict[str, str | None]) -> None:
                   f"{fmt(entry.get('peak_kv_usage'), 2):>9}{fmt(entry.get('preemptions'), 0):>8}"
                   f"{fmt(entry.get('prefix_cache_hit_rate'), 2):>11}"
                   f"{fmt(ratio, 2) + 'x' if ratio else '-':>11}{fmt(entry.get('goodput'), 2):>9}")
+    for mode, figures in results.items():
+        for label, entry in labelled(mode, figures):
+            if entry.get("linear_gflops") and entry.get("fma_peak_gflops"):
+                print(f"{label}: linears at {entry['linear_gflops']:.1f} GFLOP/s over the run, "
+                      f"{entry['linear_gflops'] / entry['fma_peak_gflops']:.0%} of this CPU's measured float32 "
+                      f"FMA peak ({entry['fma_peak_gflops']:.1f} GFLOP/s)")
 
 
 def plot(results: dict, path: str) -> None:

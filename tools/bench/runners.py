@@ -49,9 +49,41 @@ def run_offline(args, workload: Workload) -> dict:
     elapsed = time.perf_counter() - start
     bar.close()
     after = run_counters({m.name: m.value for m in llm.get_metrics()})
-    return {**summarize(list(records.values()), elapsed), "startup_s": startup,
+    records_list = list(records.values())
+    flop = linear_flop(engine.runner.model, sum(r.input_tokens for r in records_list),
+                       sum(r.output_tokens for r in records_list), len(records_list))
+    return {**summarize(records_list, elapsed), "startup_s": startup,
             "dtype": str(engine.runner.dtype).removeprefix("torch."), "peak_kv_usage": peak_kv,
+            "linear_gflops": flop / elapsed / 1e9, "fma_peak_gflops": fma_peak(engine.runner),
             **counters_difference(before, after)}
+
+
+def fma_peak(runner) -> float | None:
+    """This CPU's measured float32 FMA peak on the engine's threads, GFLOP/s, for a float32 run
+    (None for other dtypes, whose peak differs, and off the CPU)."""
+    import torch
+
+    from backend.ops import cpu_ops
+
+    on_cpu = runner.device.type == "cpu" and runner.dtype == torch.float32
+    return cpu_ops.fma_peak_gflops() if on_cpu and cpu_ops.available() else None
+
+
+def linear_flop(model, prompt_tokens: int, output_tokens: int, requests: int) -> float:
+    """The multiply-adds (x2) of a run's linear layers, a dense model's: every projection once per
+    token fed in (the prompt, and each output token but a request's last), the LM head once per
+    output token. Attention's own arithmetic is left out (a few % at these lengths), and so are
+    MoE's experts' sparsity and LoRA: a figure for dense models, to set against the FMA peak."""
+    body = head = 0
+    for name, module in model.named_modules():
+        shape = (getattr(module, "out_features", None), getattr(module, "in_features", None))
+        if not all(isinstance(size, int) for size in shape) or any(True for _ in module.children()):
+            continue
+        if name.split(".")[-1] == "lm_head":
+            head += shape[0] * shape[1]
+        else:
+            body += shape[0] * shape[1]
+    return 2.0 * (body * (prompt_tokens + output_tokens - requests) + head * output_tokens)
 
 
 def _hf_model(args):
