@@ -16,6 +16,7 @@ from fastapi import Request
 from backend.errors import EngineError
 from backend.sampling_params import SamplingParams
 from openai_frontend.errors import OpenAIError, from_engine_error, invalid
+from openai_frontend.media import ImagePrompt
 from openai_frontend.prompts import valid_text
 from openai_frontend.schemas import PromptTokensDetails, SamplingRequest, Usage
 from openai_frontend.triton import Chunk, SampleDelta, TokenLogprob, TritonClient
@@ -183,13 +184,14 @@ async def single(stream: AsyncGenerator[Chunk, None]) -> AsyncGenerator[tuple[in
 
 
 async def start(triton: TritonClient, prompts: list[list[int]], parameters: list[dict], *, stream: bool,
-                prompt_param: str, structured_param: str | None = None
+                prompt_param: str, structured_param: str | None = None, images: list[ImagePrompt] | None = None
                 ) -> tuple[tuple[int, Chunk], AsyncGenerator[tuple[int, Chunk], None]]:
-    """Send every prompt (with its sampling parameters) and wait for the first response, so that a
-    request Triton rejects still gets its HTTP status (not a 200 stream carrying an error).
-    A structured output the engine cannot compile is named as the field it came from."""
-    streams = [triton.generate(ids, params, stream=stream, prompt_param=prompt_param)
-               for ids, params in zip(prompts, parameters)]
+    """Send every prompt (with its sampling parameters, and its text and images if it has any) and
+    wait for the first response, so that a request Triton rejects still gets its HTTP status (not a
+    200 stream carrying an error). A structured output the engine cannot compile is named as the
+    field it came from."""
+    streams = [triton.generate(ids, params, stream=stream, prompt_param=prompt_param, images=image)
+               for ids, params, image in zip(prompts, parameters, images or [None] * len(prompts))]
     merged = single(streams[0]) if len(streams) == 1 else merge(streams)
     try:
         first = await merged.__anext__()

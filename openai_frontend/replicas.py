@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from openai_frontend.errors import OpenAIError
+from openai_frontend.media import ImagePrompt
 from openai_frontend.triton import LLM_MODEL, Chunk, ReplicaUnavailable, RequestTimeout, TritonClient
 
 ROUTING = ("least-outstanding", "prefix", "round-robin")
@@ -302,7 +303,7 @@ class Replicas:
 
     # -- TritonClient's calls ------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], sampling_parameters: dict, *, stream: bool,
-                       prompt_param: str = "prompt") -> AsyncGenerator[Chunk, None]:
+                       prompt_param: str = "prompt", images: ImagePrompt | None = None) -> AsyncGenerator[Chunk, None]:
         tried: list[Replica] = []
         deadline = self.deadline()
         while True:
@@ -312,7 +313,8 @@ class Replicas:
             with self.sent(replica):
                 try:
                     generation = replica.client.generate(prompt_token_ids, sampling_parameters, stream=stream,
-                                                         prompt_param=prompt_param, timeout=self.time_left(deadline))
+                                                         prompt_param=prompt_param, timeout=self.time_left(deadline),
+                                                         images=images)
                     async with aclosing(generation):
                         with Reader(replica) as reader:  # a 503 if the watchdog finds it stalled
                             reader.wait()

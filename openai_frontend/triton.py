@@ -27,6 +27,7 @@ from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, InferInput, InferRequestedO
 from tritonclient.utils import InferenceServerException
 
 from openai_frontend.errors import OpenAIError, from_grpc_error, from_triton_message, invalid
+from openai_frontend.media import ImagePrompt
 
 LLM_MODEL = "llm"
 EMBEDDINGS_MODEL = "embeddings"
@@ -218,8 +219,11 @@ class TritonClient:
             return f"the probe failed: {error.details()}"
 
     async def generate(self, prompt_token_ids: list[int], sampling_parameters: dict, *, stream: bool,
-                       prompt_param: str = "prompt", timeout: float | None = None) -> AsyncGenerator[Chunk, None]:
+                       prompt_param: str = "prompt", timeout: float | None = None,
+                       images: ImagePrompt | None = None) -> AsyncGenerator[Chunk, None]:
         """Run one request on the llm model; yield a Chunk per response (one when not streaming).
+        With `images`, the prompt goes as its text (the model's processor places each image's
+        tokens) and the images as the `image` input.
 
         Raises OpenAIError for a failed request, RequestTimeout past `timeout` seconds (a gRPC
         deadline, so Triton cancels the request too). Leaving the iteration early cancels it.
@@ -230,16 +234,21 @@ class TritonClient:
                                                            dtype=np.object_), "BYTES"),
                   _bool("stream", stream), _bool("exclude_input_in_output", True),
                   _bool("return_logprobs", want_logprobs)]
+        if images is not None:
+            inputs += [_tensor("text_input", np.array([images.text.encode()], dtype=np.object_), "BYTES"),
+                       _tensor("image", np.array(images.images, dtype=np.object_), "BYTES")]
         if self.decode is None:
-            inputs += [_tensor("input_ids", np.array(prompt_token_ids, dtype=np.int32), "INT32"),
-                       _bool("return_prompt_logprobs", want_prompt_logprobs)]
+            if images is None:
+                inputs.append(_tensor("input_ids", np.array(prompt_token_ids, dtype=np.int32), "INT32"))
+            inputs += [_bool("return_prompt_logprobs", want_prompt_logprobs)]
             inputs += [_bool(flag, True) for flag in RETURN_FLAGS]
         else:  # Triton's vLLM backend: a text prompt, and none of the inputs it lacks
             for name in VLLM_BACKEND_LACKS:
                 if name in sampling_parameters:
                     raise invalid(name, f"{name}: not supported by Triton's vLLM backend (--prompt-as-text)")
-            text = self.decode(prompt_token_ids).encode()
-            inputs += [_tensor("text_input", np.array([text], dtype=np.object_), "BYTES")]
+            if images is None:
+                text = self.decode(prompt_token_ids).encode()
+                inputs += [_tensor("text_input", np.array([text], dtype=np.object_), "BYTES")]
             inputs += [_bool(flag, True) for flag in RETURN_FLAGS if flag != "return_num_cached_tokens"]
         if sampling_parameters.get("n", 1) > 1:  # for best_of: the n best samples by cumulative logprob
             inputs.append(_bool("return_cumulative_logprob", True))
