@@ -55,6 +55,7 @@ def at_most_one(value: Any) -> bool:
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bfloat": "bfloat16"}
 NO_REMOTE_CODE = "no remote code runs here: architectures are tritonllm's own (backend/models/)"
 MULTIMODAL = "tritonllm serves text-only models; multimodal settings have nothing to act on"
+MEDIA_FLAG = "the OpenAI frontend's flag: it reads the images (`tritonllm serve` passes it there; docs/openai.md)"
 CUDA_GRAPHS = "the engine decides CUDA-graph capture itself (backend/worker/cuda_graphs.py); nothing to do on a CPU"
 NO_RAY = "one engine process with its own workers (backend/worker/distributed.py); no Ray, no executor choice"
 LOGGING = "the engine logs no periodic stats or requests; metrics are on Triton's metrics port"
@@ -147,7 +148,7 @@ VLLM_ENGINE_ARGS: dict[str, VllmArg] = {
     "enable_dbo": ignored("no mixture-of-experts models here"),
     "dbo_decode_token_threshold": ignored("no mixture-of-experts models here"),
     "dbo_prefill_token_threshold": ignored("no mixture-of-experts models here"),
-    "limit_mm_per_prompt": ignored(MULTIMODAL),
+    "limit_mm_per_prompt": ignored(MEDIA_FLAG),
     "interleave_mm_strings": ignored(MULTIMODAL),
     "media_io_kwargs": ignored(MULTIMODAL),
     "mm_processor_kwargs": ignored(MULTIMODAL),
@@ -158,8 +159,8 @@ VLLM_ENGINE_ARGS: dict[str, VllmArg] = {
     "mm_encoder_tp_mode": ignored(MULTIMODAL),
     "skip_mm_profiling": ignored(MULTIMODAL),
     "video_pruning_rate": ignored(MULTIMODAL),
-    "allowed_local_media_path": ignored(MULTIMODAL),
-    "allowed_media_domains": ignored(MULTIMODAL),
+    "allowed_local_media_path": ignored(MEDIA_FLAG),
+    "allowed_media_domains": ignored(MEDIA_FLAG),
     "enable_multimodal_encoder_data_parallel": ignored(MULTIMODAL),
     "io_processor_plugin": ignored("no plugins here"),
     "data_parallel_rank": ignored(DATA_PARALLEL),

@@ -21,6 +21,7 @@ from backend.model_paths import EMBEDDINGS_MODEL_NAME, prepared_default_model
 
 from openai_frontend.errors import OpenAIError, invalid, model_not_found, validation_error
 from openai_frontend.generation import CLIENT_GONE, ClientDisconnected
+from openai_frontend.media import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_MEDIA_BYTES, MediaPolicy, images_per_prompt
 from openai_frontend.metrics import FrontendMetrics, MetricsMiddleware
 from openai_frontend.prompts import PromptBuilder
 from openai_frontend.replicas import DNS_PREFIX, ROUTING, Replicas
@@ -66,6 +67,13 @@ class Settings:
     header_timeout: float = 10.0  # seconds a client has to send a request's headers
     body_timeout: float = 30.0  # seconds a client has to send a request's body, once its headers are in
     prompt_as_text: bool = False  # the llm model is Triton's own vLLM backend: text prompts, its inputs only
+    # Images in chat content (openai_frontend/media.py): data URLs always; these open other sources.
+    allowed_media_domains: list[str] = field(default_factory=list)  # hosts of http(s) image URLs; none: refused
+    allow_private_media_hosts: bool = False  # those hosts may resolve to private addresses (a trusted network)
+    allowed_local_media_path: str | None = None  # file:// image URLs under this folder
+    max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES  # each image, however it comes
+    media_fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S  # seconds for one remote image, all of it
+    limit_mm_per_prompt: str | None = None  # vLLM's JSON, '{"image": 2}'; default: the llm model's bound (16)
 
     def __post_init__(self) -> None:
         self.lora_modules = parse_lora_modules(self.lora_modules)  # EngineError (a ValueError) naming lora_modules
@@ -77,7 +85,7 @@ class Settings:
         model = str(Path(model).expanduser())
         if self.routing not in ROUTING:
             raise ValueError(f"routing: one of {', '.join(ROUTING)}, got {self.routing!r}")
-        for name in ("request_timeout", "header_timeout", "body_timeout"):
+        for name in ("request_timeout", "header_timeout", "body_timeout", "media_fetch_timeout"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive seconds, got {getattr(self, name)}")
         if self.triton_urls_file is not None and not Path(self.triton_urls_file).is_file():
@@ -85,6 +93,11 @@ class Settings:
         for url in self.triton_urls():
             if not url.removeprefix(DNS_PREFIX).rpartition(":")[2].isdigit():
                 raise ValueError(f"triton_url: `{url}` needs a port (host:port or dns:///name:port)")
+        if self.max_media_bytes < 1:
+            raise ValueError(f"max_media_bytes: must be positive, got {self.max_media_bytes}")
+        if self.allowed_local_media_path is not None and not Path(self.allowed_local_media_path).is_dir():
+            raise ValueError(f"allowed_local_media_path: {self.allowed_local_media_path} is not a folder")
+        images_per_prompt(self.limit_mm_per_prompt)  # ValueError naming it
         allow_updates = self.allow_runtime_lora_updating or runtime_lora_updating()
         if allow_updates and not self.api_key:
             raise ValueError(f"allow_runtime_lora_updating ({RUNTIME_LORA_ENV}): the endpoints load files, "
@@ -98,7 +111,8 @@ class Settings:
 
 
 class Frontend:
-    """What the routers share: settings, prompt building, the Triton replicas and the metrics."""
+    """What the routers share: settings, prompt building, the Triton replicas, the rules for images
+    and the metrics."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -108,6 +122,7 @@ class Frontend:
         self.triton = Replicas(settings.triton_urls(), settings.routing, settings.triton_urls_file,
                                settings.request_timeout,
                                self.prompts.tokenizer.decode if settings.prompt_as_text else None)
+        self.media = MediaPolicy.from_settings(settings)
         self.metrics = FrontendMetrics(self.triton)
         self.started = int(time.time())
         # LoRA adapters served as model ids: name -> (path, registered at runtime). The Triton model

@@ -68,6 +68,16 @@ HELP = {
                     "connection closed",
     "prompt_as_text": "send each prompt to Triton as text (`text_input`, decoded from its token ids) with only the "
                       "inputs of Triton's own vLLM backend, serving it as the `llm` model; cache_salt is refused",
+    "allowed_media_domains": "hosts whose http(s) image URLs are fetched, comma-separated or repeated (vLLM's flag; "
+                             "default: none, remote images refused); only at public addresses, no redirects",
+    "allow_private_media_hosts": "let those hosts resolve to private, loopback or link-local addresses (a trusted "
+                                 "network, tests); off, such fetches are refused (SSRF)",
+    "allowed_local_media_path": "file:// image URLs are read from under this folder, symlinks resolved (vLLM's "
+                                "flag; default: none, refused)",
+    "max_media_bytes": "largest image, as a data URL's bytes, a fetched body or a file",
+    "media_fetch_timeout": "seconds to fetch one remote image, all of it",
+    "limit_mm_per_prompt": "images a request may hold, as vLLM's JSON: '{\"image\": 2}' (default: 16, the llm "
+                           "model's own bound)",
 }
 READ_TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 

@@ -7,6 +7,7 @@ chat request are decided here, in OpenAI's words.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -46,9 +47,11 @@ class PromptBuilder:
         if chat_template is not None:
             self.tokenizer.chat_template = load_chat_template(chat_template)
         config_path = Path(model) / "config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self.max_model_len = max_model_len or config.get("max_position_embeddings", 2048)
-        self.vocab_size = max(config.get("vocab_size", 0), len(self.tokenizer))
+        self.config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        text_config = self.config.get("text_config") or {}  # a vision-language model's decoder
+        self.max_model_len = max_model_len or self.config.get("max_position_embeddings",
+                                                              text_config.get("max_position_embeddings", 2048))
+        self.vocab_size = max(self.config.get("vocab_size", text_config.get("vocab_size", 0)), len(self.tokenizer))
         # Strings the tokenizer turns into special tokens: only the chat template may write them.
         self.special_strings = sorted({token.content for token in self.tokenizer.added_tokens_decoder.values()
                                        if token.special and token.content}, key=len, reverse=True)
@@ -87,6 +90,8 @@ class PromptBuilder:
         if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
             raise invalid("continue_final_message", "continue_final_message needs a final assistant "
                           "message and add_generation_prompt false")
+        if any(isinstance(message.get("content"), list) for message in messages):  # images among the parts
+            return self.render_with_images(messages, add_generation_prompt, continue_final_message, extra)
         if not any(self.has_special(message.get("content")) for message in messages):
             text = self.apply_template(messages, add_generation_prompt, continue_final_message, extra)
             return text, self.tokenizer(valid_text(text, "messages"), add_special_tokens=False).input_ids
@@ -133,6 +138,47 @@ class PromptBuilder:
                 token_ids += self.tokenizer(valid_text(piece, "messages"), add_special_tokens=False).input_ids
         return "".join(rendered), token_ids
 
+    # -- images ----------------------------------------------------------------------------------
+    @functools.cached_property
+    def image_token(self) -> str | None:
+        """The placeholder the model's processor expands into an image's tokens (config.json's
+        image_token_index); None: the model takes no images."""
+        token_id = self.config.get("image_token_index", self.config.get("image_token_id"))
+        return None if token_id is None else self.tokenizer.convert_ids_to_tokens(token_id)
+
+    @functools.cached_property
+    def template_takes_image_parts(self) -> bool:
+        """Whether the chat template reads content as a list of parts with {"type": "image"} among them,
+        as transformers' templates for vision-language models do (vLLM's "openai" content format);
+        else each image's placeholder is written into the message's text."""
+        probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "\ue000"}]}]
+        try:
+            text = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        except Exception:  # a template for text content may fail on a list
+            return False
+        return "\ue000" in text and self.image_token in text
+
+    def render_with_images(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                           extra: dict) -> tuple[str, list[int]]:
+        """Messages whose content is a list of text and {"type": "image"} parts. The prompt goes to
+        Triton as text (the model's processor places each image's tokens), where a special token in a
+        content would be read as one: refused. The token ids count only one per image."""
+        parts = [part for message in messages for part in as_parts(message.get("content"))]
+        images = sum(part["type"] == "image" for part in parts)
+        if any(self.has_special(part.get("text")) for part in parts):
+            raise invalid("messages", "messages: with images, content must not contain the model's special tokens")
+        if self.template_takes_image_parts:
+            messages = [{**message, "content": as_parts(message.get("content"))} for message in messages]
+        else:
+            messages = [{**message, "content": "\n".join(self.image_token if part["type"] == "image" else part["text"]
+                                                         for part in message["content"])}
+                        if isinstance(message.get("content"), list) else message for message in messages]
+        text = self.apply_template(messages, add_generation_prompt, continue_final_message, extra)
+        if text.count(self.image_token) != images:
+            raise invalid("messages", f"messages: the chat template wrote {text.count(self.image_token)} image "
+                                      f"placeholders for {images} images")
+        return text, self.tokenizer(valid_text(text, "messages"), add_special_tokens=False).input_ids
+
     def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
         """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: max_model_len)."""
         if keep is None:
@@ -154,6 +200,10 @@ class PromptBuilder:
         if max_tokens > room:
             raise context_length_error(self.max_model_len, prompt_tokens, max_tokens, prompt_param)
         return max_tokens
+
+
+def as_parts(content: str | list[dict] | None) -> list[dict]:
+    return content if isinstance(content, list) else [{"type": "text", "text": content or ""}]
 
 
 def strings_in(value) -> list[str]:

@@ -95,9 +95,15 @@ class CompletionRequest(SamplingRequest):
     early_stopping: bool | Literal["never"] = False
 
 
+class ImageURL(Request):
+    url: str  # a data: URL, or http(s): and file: where the operator allows them (openai_frontend/media.py)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor sizes images
+
+
 class ContentPart(Request):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None  # type "image_url"
 
 
 class FunctionCall(Request):

@@ -8,16 +8,17 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from openai_frontend.errors import invalid
+from openai_frontend.errors import OpenAIError, invalid
 from openai_frontend.generation import (Choices, check_stream_options, chunk_frames, log_completion, log_request,
                                         logprob_value, replay, sampling_parameters, sse_stream, start,
                                         structured_outputs, unless_disconnected)
+from openai_frontend.media import ImagePart, ImagePrompt, name_image_error
 from openai_frontend.reasoning_parsers import PARSERS as REASONING_PARSERS
 from openai_frontend.reasoning_parsers import ReasoningStream, ThinkParser
 from openai_frontend.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
@@ -33,21 +34,19 @@ TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents"
                                 "return_tensors", "padding", "truncation", "max_length"})
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template reads them: content flattened to one string, a call's arguments
-    as an object (templates write them with `tojson`)."""
-    rendered = []
+def template_messages(messages: list[ChatMessage], where: list[str] | None = None
+                      ) -> tuple[list[dict], list[ImagePart]]:
+    """Messages as the chat template reads them, and the images they name in order: content as
+    template_content gives it, a call's arguments as an object (templates write them with `tojson`).
+    `where`: each message's name in errors (`messages[i]` by default; the Responses API's input items)."""
+    rendered: list[dict] = []
+    images: list[ImagePart] = []
     for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise invalid(f"messages[{i}].content[{j}]",
-                                  f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}")
-            content = "\n".join(part.text for part in content)
+        name = where[i] if where else f"messages[{i}]"
+        content = template_content(message, name, images)
         entry: dict = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
         for j, call in enumerate(message.tool_calls or ()):
-            param = f"messages[{i}].tool_calls[{j}].function.arguments"
+            param = f"{name}.tool_calls[{j}].function.arguments"
             try:
                 arguments = json.loads(call.function.arguments)
             except json.JSONDecodeError:
@@ -57,14 +56,38 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
             entry.setdefault("tool_calls", []).append(
                 {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}})
         if message.role == "tool" and message.tool_call_id is None:  # OpenAI refuses it too
-            raise invalid(f"messages[{i}].tool_call_id",
-                          f"messages[{i}].tool_call_id: required in a tool message (which call it answers)")
+            raise invalid(f"{name}.tool_call_id", f"{name}.tool_call_id: required in a tool message (which call it "
+                                                  "answers)")
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         if (message.reasoning or message.reasoning_content) and message.role == "assistant":
             entry["reasoning_content"] = message.reasoning or message.reasoning_content  # as Qwen3's template reads it
         rendered.append(entry)
-    return rendered
+    return rendered, images
+
+
+def template_content(message: ChatMessage, name: str, images: list[ImagePart]) -> str | list[dict]:
+    """A message's content as one string; where it holds images, a list of text parts and
+    {"type": "image"} parts (as transformers' chat templates read them), the images appended to `images`."""
+    if not isinstance(message.content, list):
+        return message.content or ""
+    parts: list[dict] = []
+    for j, part in enumerate(message.content):
+        param = f"{name}.content[{j}]"
+        if part.type == "image_url":
+            if part.image_url is None:
+                raise invalid(param, f"{param}: an image_url part needs image_url.url")
+            if message.role != "user":
+                raise invalid(param, f"{param}: images go in user messages only")
+            images.append(ImagePart(param, part.image_url.url))
+            parts.append({"type": "image"})
+        elif part.type == "text" and part.text is not None:
+            parts.append({"type": "text", "text": part.text})
+        else:
+            raise invalid(param, f"{param}: text and image_url parts are supported, got {part.type!r}")
+    if any(part["type"] == "image" for part in parts):
+        return parts
+    return "\n".join(part["text"] for part in parts)
 
 
 def tool_plan(frontend, body: ChatCompletionRequest) -> ToolPlan:
@@ -101,6 +124,8 @@ class ChatJob:
     structured_param: str | None
     top_logprobs: int | None
     include_usage: bool
+    prompt_text: str = ""  # what the chat template wrote: sent as text when there are images
+    images: list[ImagePart] = field(default_factory=list)
 
     def read(self, text: str) -> tuple[str | None, str, list[Call]]:
         """A whole answer -> (reasoning, content, calls)."""
@@ -112,8 +137,9 @@ class ChatJob:
         return AnswerStream(self.reasoning.stream() if self.reasoning else None, self.plan.stream())
 
 
-def prepare_chat(frontend, body: ChatCompletionRequest) -> ChatJob:
-    """Validate a chat request and turn it into a prompt and Triton's sampling parameters."""
+def prepare_chat(frontend, body: ChatCompletionRequest, where: list[str] | None = None) -> ChatJob:
+    """Validate a chat request and turn it into a prompt and Triton's sampling parameters (the
+    images it names are checked, not read yet). `where`: the messages' names in errors."""
     adapter = frontend.check_llm_model(body.model)  # {} or the LoRA adapter's sampling parameters
     include_usage = check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:
@@ -134,15 +160,46 @@ def prepare_chat(frontend, body: ChatCompletionRequest) -> ChatJob:
             reasoning = reasoning.constrained()
     if plan.mode == "auto" and plan.parser.keeps_special_tokens:
         body = body.model_copy(update={"skip_special_tokens": False})  # its markers are special tokens
-    _, prompt_ids = frontend.prompts.render_chat(template_messages(body.messages), body.add_generation_prompt,
-                                                 body.continue_final_message, plan.prompt_tools, plan.parser,
-                                                 template_kwargs(body))
+    messages, images = template_messages(body.messages, where)
+    if images:
+        check_images(frontend, body, images)
+    prompt_text, prompt_ids = frontend.prompts.render_chat(messages, body.add_generation_prompt,
+                                                           body.continue_final_message, plan.prompt_tools,
+                                                           plan.parser, template_kwargs(body))
     prompt_ids = frontend.prompts.truncate(prompt_ids, body.truncate_prompt_tokens)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = frontend.prompts.max_tokens_for(len(prompt_ids), requested, "messages")
     parameters = sampling_parameters(body, max_tokens=max_tokens, logprobs=top_logprobs,
                                      vocab_size=frontend.prompts.vocab_size, structured=structured) | adapter
-    return ChatJob(body, prompt_ids, parameters, plan, reasoning, structured[1], top_logprobs, include_usage)
+    if images and requested is None:  # the engine fills the context: only it knows how many tokens each image takes
+        parameters["max_tokens"] = None
+    return ChatJob(body, prompt_ids, parameters, plan, reasoning, structured[1], top_logprobs, include_usage,
+                   prompt_text, images)
+
+
+def check_images(frontend, body: ChatCompletionRequest, images: list[ImagePart]) -> None:
+    """What can be refused before any image is read: a model without images, too many of them,
+    a source the operator did not open. The prompt's token count is a lower bound with images."""
+    if frontend.prompts.image_token is None:
+        raise invalid(images[0].param, f"{images[0].param}: the model `{frontend.settings.served_model_name}` "
+                                       "does not accept images")
+    if body.truncate_prompt_tokens is not None:
+        raise invalid("truncate_prompt_tokens", "truncate_prompt_tokens: not with images (it would cut them)")
+    frontend.media.check(images)
+
+
+async def start_job(frontend, job: ChatJob, stream: bool):
+    """Read the job's images (if any), then send it to Triton and wait for its first response;
+    Triton's refusal of an image names the content part."""
+    images = None
+    if job.images:
+        images = ImagePrompt(job.prompt_text, await frontend.media.load(job.images))
+    try:
+        return await start(frontend.triton, [job.prompt_ids], [job.parameters], stream=stream,
+                           prompt_param="messages", structured_param=job.structured_param,
+                           images=None if images is None else [images])
+    except OpenAIError as error:
+        raise name_image_error(error, job.images) from None
 
 
 def reasoning_delta(text: str) -> list[dict]:
@@ -178,9 +235,7 @@ async def stream_answers(frontend, job: ChatJob, raw_request: Request, choices: 
                          ) -> AsyncIterator[tuple[int, list[dict], dict | None, str | None]]:
     """Start a streamed request (its HTTP status decided by Triton's first response), then yield
     (choice index, deltas, logprobs, finish reason) as the answers grow."""
-    first, rest = await unless_disconnected(raw_request, start(
-        frontend.triton, [job.prompt_ids], [job.parameters], stream=True, prompt_param="messages",
-        structured_param=job.structured_param))
+    first, rest = await unless_disconnected(raw_request, start_job(frontend, job, stream=True))
     streams = [job.answer_stream() for _ in range(job.body.n)]
 
     async def answers():
@@ -201,8 +256,7 @@ async def stream_answers(frontend, job: ChatJob, raw_request: Request, choices: 
 
 async def run_whole(frontend, job: ChatJob, raw_request: Request, choices: Choices) -> None:
     async def collect():
-        first, rest = await start(frontend.triton, [job.prompt_ids], [job.parameters], stream=False,
-                                  prompt_param="messages", structured_param=job.structured_param)
+        first, rest = await start_job(frontend, job, stream=False)
         async for prompt_index, response in replay(first, rest):
             choices.update(prompt_index, response)
 

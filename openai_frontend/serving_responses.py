@@ -65,39 +65,52 @@ class ResponsesRequest(Strict):
     reasoning: dict | None = None  # accepted: the model thinks as its template and parser say
 
 
-def content_text(content: Any, param: str) -> str:
+def chat_content(content: Any, param: str) -> str | list[dict]:
+    """A message's content as chat content: its text, or chat parts where it holds images."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(param, f"{param}: a string or a list of text parts")
-    texts = []
+        raise invalid(param, f"{param}: a string or a list of text and image parts")
+    parts: list[dict] = []
     for k, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(part.get("text"), str):
-            raise invalid(f"{param}[{k}]", f"{param}[{k}]: only text parts (input_text, output_text) are supported")
-        texts.append(part["text"])
-    return "\n".join(texts)
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif kind == "input_image":
+            raise invalid(f"{param}[{k}]", f"{param}[{k}]: an input_image needs image_url (file_id is not "
+                                           "supported: there is no Files API here)")
+        else:
+            raise invalid(f"{param}[{k}]", f"{param}[{k}]: only text (input_text, output_text) and input_image "
+                                           "parts are supported")
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "\n".join(part["text"] for part in parts)
 
 
-def chat_messages(body: ResponsesRequest) -> list[dict]:
-    """`instructions` and `input` -> chat messages (earlier function calls of one turn together)."""
+def chat_messages(body: ResponsesRequest) -> tuple[list[dict], list[str]]:
+    """`instructions` and `input` -> chat messages (earlier function calls of one turn together),
+    and each message's name in errors (the input item it came from)."""
     messages: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    where = ["instructions"] * len(messages)
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
     if not items:
         raise invalid("input", "input: must not be empty")
     for i, item in enumerate(items):
         kind = item.get("type", "message")
+        name = "input" if isinstance(body.input, str) else f"input[{i}]"
         if kind == "message":
             if item.get("role") not in ("user", "system", "developer", "assistant"):
                 raise invalid(f"input[{i}].role", f"input[{i}].role: user, system, developer or assistant")
-            messages.append({"role": item["role"], "content": content_text(item.get("content"), f"input[{i}].content")})
+            messages.append({"role": item["role"], "content": chat_content(item.get("content"), f"input[{i}].content")})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
                 messages[-1]["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                continue
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
@@ -105,10 +118,13 @@ def chat_messages(body: ResponsesRequest) -> list[dict]:
         elif kind != "reasoning":  # earlier reasoning items are not shown to the model again
             raise invalid(f"input[{i}].type", f"input[{i}].type: {kind!r} is not supported (message, "
                                               "function_call, function_call_output)")
-    return messages
+        else:
+            continue
+        where.append(name)
+    return messages, where
 
 
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+def chat_request(body: ResponsesRequest) -> tuple[ChatCompletionRequest, list[str]]:
     if body.previous_response_id is not None:
         raise invalid("previous_response_id", "previous_response_id: responses are not stored here; "
                                               "send the whole conversation in input")
@@ -132,13 +148,14 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         if text_format.type == "json_schema":
             response_format["json_schema"] = {"name": text_format.name or "response", "schema": text_format.schema_,
                                               "strict": text_format.strict}
-    fields = {"model": body.model, "messages": chat_messages(body), "tools": tools or None, "tool_choice": choice,
+    messages, where = chat_messages(body)
+    fields = {"model": body.model, "messages": messages, "tools": tools or None, "tool_choice": choice,
               "parallel_tool_calls": body.parallel_tool_calls, "max_completion_tokens": body.max_output_tokens,
               "temperature": body.temperature, "top_p": body.top_p, "response_format": response_format,
               "stream": body.stream, "user": body.user}
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None},
-                                                    strict=False)
+                                                    strict=False), where
     except ValueError as error:  # a message or tool the chat schema refuses
         raise invalid("input", f"input: {error}") from None
 
@@ -284,8 +301,8 @@ def sse_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
 
 
 async def serve_response(frontend, body: ResponsesRequest, raw_request: Request):
-    chat = chat_request(body)
-    job = prepare_chat(frontend, chat)
+    chat, where = chat_request(body)
+    job = prepare_chat(frontend, chat, where)
     builder = ResponseBuilder(body)
     choices = Choices(1, 1, frontend.settings.enable_prompt_tokens_details)
     log_request(frontend, builder.id, [job.prompt_ids], [job.parameters])

@@ -61,8 +61,11 @@ def tokenize(frontend, body: TokenizeRequest) -> TokenizeResponse:
             ids = prompts.encode(body.prompt)
     else:
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
-        text, ids = prompts.render_chat(template_messages(body.messages), body.add_generation_prompt,
-                                        body.continue_final_message, tools or None)
+        messages, images = template_messages(body.messages)
+        if images:  # their tokens are the model processor's to count, in Triton
+            raise invalid(images[0].param, f"{images[0].param}: images are not tokenized here")
+        text, ids = prompts.render_chat(messages, body.add_generation_prompt, body.continue_final_message,
+                                        tools or None)
         if body.add_special_tokens:  # the rendered text with the tokenizer's own (a BOS for some), as vLLM
             ids = prompts.tokenizer(text, add_special_tokens=True).input_ids
     strings = prompts.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None

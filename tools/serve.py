@@ -67,6 +67,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                          help="OpenAI frontend: a Jinja chat template, or a file holding one, instead of the model's")
     servers.add_argument("--enable-prompt-tokens-details", action="store_true",
                          help="OpenAI frontend: usage.prompt_tokens_details.cached_tokens (prefix-cache hits)")
+    servers.add_argument("--allowed-media-domains", nargs="+", action="extend", default=None,
+                         help="OpenAI frontend: hosts whose http(s) image URLs are fetched, at public addresses only "
+                              "(vLLM's flag; default: none, remote images refused)")
+    servers.add_argument("--allow-private-media-hosts", action="store_true",
+                         help="OpenAI frontend: those hosts may resolve to private addresses (a trusted network)")
+    servers.add_argument("--allowed-local-media-path", default=None,
+                         help="OpenAI frontend: file:// image URLs are read from under this folder (vLLM's flag)")
+    servers.add_argument("--max-media-bytes", type=int, default=None,
+                         help="OpenAI frontend: largest image accepted (default: 20 MiB)")
+    servers.add_argument("--media-fetch-timeout", type=float, default=None,
+                         help="OpenAI frontend: seconds to fetch one remote image (default: 10)")
+    servers.add_argument("--limit-mm-per-prompt", default=None,
+                         help="OpenAI frontend: images per request, as vLLM's JSON '{\"image\": 2}' (default: 16)")
     servers.add_argument("--no-frontend", action="store_true",
                          help="Triton only (no OpenAI frontend): a replica of a scale-out deployment, behind "
                               "one frontend given every replica's gRPC address (docs/deploy.md)")
@@ -144,11 +157,16 @@ def start_frontend(args: argparse.Namespace, server: TritonServer, engine_args: 
         return None
     command = [sys.executable, "-m", FRONTEND_MODULE, "--host", args.host, "--port", str(args.port),
                "--grpc-url", server.grpc_url, "--model", engine_args["model"]]
-    for name in ("served_model_name", "tokenizer", "max_model_len", "chat_template"):
+    for name in ("served_model_name", "tokenizer", "max_model_len", "chat_template", "allowed_local_media_path",
+                 "max_media_bytes", "media_fetch_timeout", "limit_mm_per_prompt"):
         if getattr(args, name, None) is not None:
             command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if engine_args.get("lora_modules"):  # the frontend serves each adapter as a model id
         command += ["--lora-modules", *(f"{name}={path}" for name, path in engine_args["lora_modules"].items())]
+    if getattr(args, "allowed_media_domains", None):
+        command += ["--allowed-media-domains", *args.allowed_media_domains]
+    if getattr(args, "allow_private_media_hosts", False):
+        command.append("--allow-private-media-hosts")
     if getattr(args, "log_requests", False):
         command.append("--log-requests")
     if getattr(args, "enable_prompt_tokens_details", False):
