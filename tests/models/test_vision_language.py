@@ -5,52 +5,21 @@ across prefill chunks, and through the prefix cache (the same image hits, anothe
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from backend import LLM, SamplingParams
 from backend.errors import EngineError
+from tests.utils.vision import base64_png, image, tiny_llava
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def image(seed: int, height: int, width: int):
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory, model_path):
-    """A tiny LLaVA 1.5 over SmolLM2's tokenizer (plus an <image> token), CLIP tower of 3 layers on
-    32 x 32 images in 8 x 8 patches (16 features each), and its processor; (path, HF model, processor)."""
-    from transformers import (AutoTokenizer, CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
-
-    path = tmp_path_factory.mktemp("tiny_llava")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    processor = LlavaProcessor(
-        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
-        tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", image_token="<image>",
-        num_additional_image_tokens=1)
-    config = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                                       image_size=32, patch_size=8),
-        text_config=LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
-        image_token_index=tokenizer.convert_tokens_to_ids("<image>"))
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * (0.3 if param.dim() == 1 else 0.02))
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    return str(path), model, processor
+    """The tiny LLaVA 1.5 of tests/utils/vision.py: (path, HF model, processor)."""
+    return tiny_llava(tmp_path_factory.mktemp("tiny_llava"), model_path)
 
 
 PROMPTS = [("USER: <image>\nWhat is in it? ASSISTANT:", [image(0, 40, 48)]),
@@ -130,15 +99,6 @@ def test_bad_images_are_refused_clearly(llava, model_path):
     text_model = LLM(model_path, dtype="float32", kv_cache_memory_bytes=16 << 20)
     with pytest.raises(EngineError, match="text only"):
         text_model.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY)
-
-
-def base64_png(picture) -> bytes:
-    import base64
-    import io
-
-    buffer = io.BytesIO()
-    picture.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue())
 
 
 def test_triton_takes_the_vllm_backends_image_input(llava, tmp_path_factory):

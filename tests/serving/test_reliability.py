@@ -441,8 +441,13 @@ FRONTEND_BAD_INPUTS = [
     ("messages a string", "chat/completions", chat(messages="hi"), 400, "messages", "valid list"),
     ("content a number", "chat/completions", chat(messages=[{"role": "user", "content": 5}]), 400,
      "messages[0].content", "valid string"),
-    ("an image part", "chat/completions", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
-     "messages[0].content[0]", "only text parts"),
+    ("an image part", "chat/completions", chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]), 400,
+     "messages[0].content[0]", "does not accept images"),
+    ("an image part without its URL", "chat/completions", chat(messages=[{"role": "user", "content": [
+        {"type": "image_url"}]}]), 400, "messages[0].content[0]", "needs image_url.url"),
+    ("an audio part", "chat/completions", chat(messages=[{"role": "user", "content": [{"type": "input_audio"}]}]),
+     400, "messages[0].content[0]", "text and image_url parts are supported"),
     ("a token id outside the vocabulary", "completions", completion(prompt=[1, 10**6]), 400, "prompt",
      "token ids must be integers in [0, "),
     ("a negative token id", "completions", completion(prompt=[-1]), 400, "prompt[0]", "greater than or equal to 0"),

@@ -1,7 +1,7 @@
 """What the tests share, so that no test module imports another: `wait_for` here, tiny random
-models and their Hugging Face references (`models`), servers and their clients (`triton` for
-tritonserver, `serve` for `tritonllm serve` and the OpenAI frontend), the kernels' test inputs
-(`kernels`). Fixtures are in tests/conftest.py."""
+models and their Hugging Face references (`models`), a tiny LLaVA and images for it (`vision`),
+servers and their clients (`triton` for tritonserver, `serve` for `tritonllm serve` and the OpenAI
+frontend), the kernels' test inputs (`kernels`). Fixtures are in tests/conftest.py."""
 
 from __future__ import annotations
 

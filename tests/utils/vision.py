@@ -1,0 +1,68 @@
+"""A tiny random LLaVA 1.5 and images for it: the vision-language tests' model (tests/models/) and the
+served one behind the OpenAI frontend (tests/serving/test_openai_images.py)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import torch
+
+# llava-hf/llava-1.5-7b-hf's chat template: content is a list of parts, images first in each message.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
+
+def image(seed: int, height: int, width: int):
+    """Random RGB pixels as a PIL image."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def encoded(picture, format: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    picture.save(buffer, format=format)
+    return buffer.getvalue()
+
+
+def base64_png(picture) -> bytes:
+    return base64.b64encode(encoded(picture))
+
+
+def data_url(picture, format: str = "PNG") -> str:
+    return f"data:image/{format.lower()};base64," + base64.b64encode(encoded(picture, format)).decode()
+
+
+def tiny_llava(path, tokenizer_source: str):
+    """A tiny LLaVA 1.5 in `path` over `tokenizer_source`'s tokenizer (plus an <image> token), CLIP tower of
+    3 layers on 32 x 32 images in 8 x 8 patches (16 features each), with its processor and llava-1.5's chat
+    template; (path, HF model, processor)."""
+    from transformers import (AutoTokenizer, CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", image_token="<image>",
+        num_additional_image_tokens=1, chat_template=LLAVA_CHAT_TEMPLATE)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                       image_size=32, patch_size=8),
+        text_config=LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * (0.3 if param.dim() == 1 else 0.02))
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path), model, processor
