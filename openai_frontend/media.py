@@ -126,9 +126,15 @@ class MediaPolicy:
                 raise invalid(part.param, f"{part.param}: image_url must be a data:, http(s): or file: URL")
 
     async def load(self, parts: list[ImagePart]) -> list[bytes]:
-        """Each part's image as base64 (checked, then read concurrently)."""
+        """Each part's image as base64: all checked, then read concurrently; the first refusal
+        stops the other reads."""
         self.check(parts)
-        return list(await asyncio.gather(*(self.load_one(part) for part in parts)))
+        reads = [asyncio.ensure_future(self.load_one(part)) for part in parts]
+        try:
+            return list(await asyncio.gather(*reads))
+        finally:
+            for read in reads:
+                read.cancel()
 
     async def load_one(self, part: ImagePart) -> bytes:
         scheme = scheme_of(part.url)
