@@ -25,6 +25,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from backend.config import EngineConfig
+from backend.worker.cpu_policy import yield_to_compute
 from tools.triton_server import MODEL_NAME, TritonServer, die_with_parent, write_model_repository
 
 FRONTEND_MODULE = "openai_frontend.main"
@@ -54,6 +55,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     servers.add_argument("--model-control", choices=("none", "explicit"), default="none",
                          help="Triton's model control: `none` loads every model at start and refuses load "
                               "and unload; `explicit` allows them to holders of the admin key (docs/security.md)")
+    servers.add_argument("--serving-sched", choices=("batch", "normal"), default="batch",
+                         help="Linux CPU policy of Triton and the frontend: `batch` (SCHED_BATCH) keeps their "
+                              "wake-ups from preempting the engine's compute threads, which take back the "
+                              "normal policy (backend/worker/cpu_policy.py); `normal` leaves every process as "
+                              "started")
     servers.add_argument("--log-requests", action="store_true",
                          help="OpenAI frontend: log prompts and completions (never logged otherwise)")
     servers.add_argument("--tool-call-parser", default="hermes",
@@ -308,6 +314,8 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
     frontend = None
     stop_timeout = 60.0  # Triton's graceful stop: in-flight requests finish, models unload
+    if args.serving_sched == "batch":
+        yield_to_compute()  # this thread starts Triton and the frontend: they inherit it
     print(f"starting tritonserver (log: {log_file}) with model {engine_args['model']}", flush=True)
     try:
         server.start()

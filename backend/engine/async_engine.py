@@ -29,6 +29,7 @@ from backend.engine.engine import LLMEngine
 from backend.errors import ENGINE_OVERLOADED, EngineError, check, parse_wire
 from backend.outputs import RequestOutput
 from backend.sampling_params import RequestOutputKind, SamplingParams
+from backend.worker.cpu_policy import reclaim_for_compute
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,9 @@ class AsyncLLMEngine:
     def _build_and_run(self, config: EngineConfig) -> None:
         """Load the model on this thread, the one that steps it: one OpenMP thread team in the
         process (see LLMEngine._warn_thread: a model loaded by the caller's thread makes slower
-        decode steps)."""
+        decode steps). Under `tritonllm serve` this thread also takes back the normal CPU policy
+        first (backend/worker/cpu_policy.py)."""
+        reclaim_for_compute()
         try:
             self.engine = LLMEngine(config)
             self.engine.on_worker_failure(self._worker_died)

@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+from backend.worker.cpu_policy import reclaim_for_compute
+
 
 def watch_parent(parent_pid: int) -> None:
     """Exit at once when the process that started this one is gone."""
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
+    reclaim_for_compute()  # before torch starts its threads: they inherit this thread's policy
     threading.Thread(target=watch_parent, args=(args.parent_pid,), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=f"[rank {args.rank}] %(levelname)s %(name)s: %(message)s")
 

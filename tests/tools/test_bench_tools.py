@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tools.bench import cli as bench
-from tools.bench import servers, triton_vllm
+from tools.bench import cpu_usage, servers, triton_vllm
 from tools.bench.external_clients import aiperf_command, figures_from_export
 from tools.bench.report import RequestRecord, percentile, summarize
 from tools.bench.runners import linear_flop, run_server_mode
@@ -419,3 +419,29 @@ def test_linear_flop_counts_every_projection_per_token_fed_in_and_the_head_per_o
     model.lm_head = torch.nn.Linear(4, 10, bias=False)
     # 2 requests, 5 prompt tokens and 3 output tokens in all: 5 + 3 - 2 tokens through the layers
     assert linear_flop(model, prompt_tokens=5, output_tokens=3, requests=2) == 2 * ((24 + 24) * 6 + 40 * 3)
+
+
+def test_served_runs_report_cpu_by_process_with_the_client(tmp_path):
+    stand_in, _ = vllm_bench_stand_in(tmp_path)
+    args = bench_args("--client", "vllm-bench", "--vllm-python", str(stand_in), "--model", str(tmp_path))
+    args.concurrency = [8]
+    (result,) = run_server_mode("openai", {"openai": "http://127.0.0.1:9", "model": "llm"}, args, None)
+    usage = result["cpu"]
+    assert usage["processes"]["client (child processes)"]["cpu_s"] > 0  # the stand-in client ran and exited
+    assert usage["switches_per_token"] is not None and usage["cpu_s"] >= usage["processes"]["client (child processes)"]["cpu_s"]
+    lines = cpu_usage.format_usage("openai c=8", usage)
+    assert lines[0].startswith("openai c=8: ") and any("client (child processes)" in line for line in lines)
+
+
+def test_cpu_usage_is_the_difference_per_process_and_busiest_thread():
+    sample = cpu_usage.ThreadSample
+    before = {"stub 7/7": sample("stub 7", "engine 7", 10.0, 100, 10), "stub 7/8": sample("stub 7", "sender 8", 1.0, 50, 0)}
+    after = {"stub 7/7": sample("stub 7", "engine 7", 30.0, 300, 30), "stub 7/8": sample("stub 7", "sender 8", 1.5, 90, 5),
+             "stub 7/9": sample("stub 7", "omp 9", 19.0, 20, 20),  # born during the run: counted from zero
+             "idle 3/3": sample("idle 3", "idle 3", 0.01, 1, 0)}
+    usage = cpu_usage.difference(before, after, output_tokens=100)
+    stub = usage["processes"]["stub 7"]
+    assert stub["cpu_s"] == pytest.approx(39.5) and stub["switches"] == 260 and stub["involuntary"] == 45
+    assert list(stub["threads"]) == ["engine 7", "omp 9"]  # the sender's 0.5 CPU-s is under 5% of the process
+    assert "idle 3" not in usage["processes"]
+    assert usage["switches_per_token"] == pytest.approx(2.61)

@@ -37,7 +37,7 @@ def run_vllm_bench_client(urls: dict, args, concurrency: int, tokenizer: str, ca
         subprocess.run(command, check=True, env=vllm_environment(args), stdout=sys.stderr)
         figures = json.loads((Path(tmp) / "result.json").read_text())
     summary = {"output_tokens_per_s": figures["output_throughput"],
-               "request_throughput": figures["request_throughput"],
+               "request_throughput": figures["request_throughput"], "seconds": figures["duration"],
                "input_tokens_per_s": figures.get("total_input_tokens", 0) / figures["duration"],
                "client": "vllm bench serve"}
     if args.goodput:

@@ -7,6 +7,8 @@ import math
 import sys
 from dataclasses import dataclass, field
 
+from tools.bench.cpu_usage import format_usage
+
 
 @dataclass
 class RequestRecord:
@@ -115,6 +117,8 @@ def print_report(results: dict, references: dict[str, str | None]) -> None:
                   f"{fmt(ratio, 2) + 'x' if ratio else '-':>11}{fmt(entry.get('goodput'), 2):>9}")
     for mode, figures in results.items():
         for label, entry in labelled(mode, figures):
+            if entry.get("cpu"):
+                print("\n".join(format_usage(label, entry["cpu"])))
             if entry.get("linear_gflops") and entry.get("fma_peak_gflops"):
                 print(f"{label}: linears at {entry['linear_gflops']:.1f} GFLOP/s over the run, "
                       f"{entry['linear_gflops'] / entry['fma_peak_gflops']:.0%} of this CPU's measured float32 "

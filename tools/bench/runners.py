@@ -12,6 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
+from tools.bench import cpu_usage
 from tools.bench.clients import MetricsWatcher, openai_requests, triton_requests
 from tools.bench.external_clients import run_aiperf_client, run_vllm_bench_client
 from tools.bench.report import RequestRecord, counters_difference, progress, run_counters, summarize
@@ -157,14 +158,18 @@ def run_server_mode(mode: str, urls: dict, args, workload: Workload, salted: boo
         # salt of its own keeps each run from finding the previous run's prompts in the prefix cache.
         cache_salt = f"tritonllm-bench-{uuid.uuid4().hex}" if salted else None
         watcher = MetricsWatcher(urls.get("metrics"))
-        before = watcher.counters()
+        before, cpu_before, clients_before = watcher.counters(), cpu_usage.snapshot(), cpu_usage.client_times()
         if args.client == "vllm-bench" and mode == "openai":
             summary = run_vllm_bench_client(urls, args, concurrency, resolved_model(args), cache_salt)
         elif args.client == "aiperf" and mode == "openai":
             summary = run_aiperf_client(urls, args, concurrency, resolved_model(args), cache_salt)
         else:
             summary = asyncio.run(run_builtin_client(mode, urls, args, workload, concurrency, cache_salt, watcher))
+        cpu_after = cpu_usage.snapshot()
+        output_tokens = round(summary["output_tokens_per_s"] * summary["seconds"]) if summary.get("seconds") else 0
         summary.update(concurrency=concurrency, request_rate=args.request_rate,
+                       cpu=cpu_usage.difference(cpu_before, cpu_after, output_tokens,
+                                                   clients=(clients_before, cpu_usage.client_times())),
                        **counters_difference(before, watcher.counters()))
         results.append(summary)
     return results
