@@ -90,10 +90,9 @@ def client_times() -> dict[str, tuple[float, int, int]]:
 
 def difference(before: dict[str, ThreadSample], after: dict[str, ThreadSample], output_tokens: int,
                min_cpu_s: float = 0.05, clients: tuple[dict, dict] | None = None) -> dict:
-    """The run's CPU by process, busiest first (the client's always shown: `clients` is `client_times()`
-    before and after), each with its threads over 5% of it; threads born
-    during the run count from zero. A thread that ended during the run is not seen (its time goes
-    to its process's total only when the kernel folds it in, which /proc/<pid>/task does not show)."""
+    """The run's CPU by process, busiest first, each with its threads over 5% of it (`clients`:
+    `client_times()` before and after, always shown). Threads born during the run count from zero; a
+    thread that ended during the run is not seen (/proc/<pid>/task no longer lists it)."""
     processes: dict[str, dict] = {}
     for key, end in after.items():
         start = before.get(key)
@@ -124,12 +123,13 @@ def difference(before: dict[str, ThreadSample], after: dict[str, ThreadSample], 
             "switches_per_token": switches / output_tokens if output_tokens else None}
 
 
-def format_usage(label: str, usage: dict) -> list[str]:
-    """The report's lines for one run: a line per process, its busiest threads indented."""
+def format_usage(label: str, usage: dict, max_processes: int = 8) -> list[str]:
+    """The report's lines for one run: a line per busy process (the busiest few; every one is in
+    `--json`), its busiest threads indented."""
     per_token = usage.get("switches_per_token")
     lines = [f"{label}: {usage['cpu_s']:.1f} CPU-s on the host"
              + (f", {per_token:.1f} context switches per output token" if per_token is not None else "")]
-    for name, entry in usage["processes"].items():
+    for name, entry in list(usage["processes"].items())[:max_processes]:
         lines.append(f"    {name:<34}{entry['cpu_s']:>8.2f} CPU-s {entry['switches']:>9} switches "
                      f"({entry['involuntary']} involuntary)")
         for thread, figures in entry["threads"].items():
