@@ -54,7 +54,8 @@ def at_most_one(value: Any) -> bool:
 
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bfloat": "bfloat16"}
 NO_REMOTE_CODE = "no remote code runs here: architectures are tritonllm's own (backend/models/)"
-MULTIMODAL = "tritonllm serves text-only models; multimodal settings have nothing to act on"
+MULTIMODAL = ("tunes vLLM's own multimodal processor, its caches or its encoder; tritonllm runs transformers' "
+              "processor per request and schedules an image's tokens with the prompt (docs/openai.md, Images)")
 MEDIA_FLAG = "the OpenAI frontend's flag: it reads the images (`tritonllm serve` passes it there; docs/openai.md)"
 CUDA_GRAPHS = "the engine decides CUDA-graph capture itself (backend/worker/cuda_graphs.py); nothing to do on a CPU"
 NO_RAY = "one engine process with its own workers (backend/worker/distributed.py); no Ray, no executor choice"
