@@ -7,9 +7,8 @@ wake-ups stops one compute thread while the others wait for it at the next barri
 serve` therefore starts Triton and the frontend as SCHED_BATCH (Linux: they still get their fair
 share of CPU time, but a wake-up of theirs waits for the running slice instead of preempting it)
 and says so in SERVING_POLICY_ENV; the engine's stepping thread, before it starts its OpenMP team,
-returns itself to the normal policy, which its team's threads then inherit. Measured in
-docs/benchmarks.md (#37): 5% (float32) to 9% (bfloat16) more served throughput at 64 streams on two
-cores.
+returns itself to the normal policy, which its team's threads then inherit. What it is worth is
+measured in docs/benchmarks.md (#37).
 """
 
 from __future__ import annotations
