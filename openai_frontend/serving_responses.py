@@ -66,7 +66,8 @@ class ResponsesRequest(Strict):
 
 
 def chat_content(content: Any, param: str) -> str | list[dict]:
-    """A message's content as chat content: its text, or chat parts where it holds images."""
+    """A message's content as chat content: a string as it is, a list as chat parts (the chat path
+    joins text-only parts into one string, serving_chat.template_content)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -84,9 +85,7 @@ def chat_content(content: Any, param: str) -> str | list[dict]:
         else:
             raise invalid(f"{param}[{k}]", f"{param}[{k}]: only text (input_text, output_text) and input_image "
                                            "parts are supported")
-    if any(part["type"] == "image_url" for part in parts):
-        return parts
-    return "\n".join(part["text"] for part in parts)
+    return parts
 
 
 def chat_messages(body: ResponsesRequest) -> tuple[list[dict], list[str]]:

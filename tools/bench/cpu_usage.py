@@ -33,7 +33,7 @@ def role(pid: str) -> str:
     line = b" ".join(argv).decode("utf-8", "replace")
     for needle, name in (("triton_python_backend_stub", "python stub"), ("tritonserver", "tritonserver"),
                          ("openai_frontend", "frontend"), ("tools.cli serve", "tritonllm serve"),
-                         ("bench serve", "vllm bench client"), ("api_server", "vllm serve"),
+                         ("api_server", "vllm serve"),
                          ("tools.bench", "bench (client)"), ("tools.cli bench", "bench (client)")):
         if needle in line:
             return name
