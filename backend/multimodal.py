@@ -5,14 +5,17 @@ The model's own Hugging Face processor (`AutoProcessor`, from the model's folder
 images into token ids, with each image's placeholder token repeated once per feature the vision
 tower will make, and into pixel tensors. Each image becomes an `ImageInput`: its pixels, where its
 placeholders sit in the prompt, and a hash of its pixels, which keys the prefix cache (the same
-image and prompt share blocks, a different image never does) and the runner's encoder cache.
+image and prompt share blocks, a different image never does) and the runner's encoder cache. The
+model's vision spec says, from one image's processor outputs, what its encoder takes and how many
+placeholders it has (`image_input`): a fixed count for LLaVA 1.5, one that depends on the image's
+size for LLaVA-NeXT.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -25,10 +28,12 @@ MAX_IMAGE_PIXELS = 50_000_000  # decoded: width x height, checked before the pix
 
 @dataclass(frozen=True)
 class ImageInput:
-    pixel_values: torch.Tensor  # [3, H, W] as the model's image processor made it
+    pixel_values: torch.Tensor  # as the model's image processor made it: [3, H, W]; [tiles, 3, H, W] for LLaVA-NeXT
     offset: int  # the first of its placeholder tokens in the prompt
     length: int  # its placeholder tokens: the features the model makes of it
-    hash: str  # sha256 of its pixels (shape and values)
+    hash: str  # sha256 of its pixels and extras (shapes and values)
+    # The processor's other outputs for this image that its encoder takes too (LLaVA-NeXT's image_sizes).
+    extras: dict[str, torch.Tensor] = field(default_factory=dict, compare=False)
 
     def overlap(self, start: int, end: int) -> tuple[int, int] | None:
         """The part of this image's placeholders among prompt positions [start, end), as offsets
@@ -37,9 +42,12 @@ class ImageInput:
         return (first - self.offset, last - self.offset) if first < last else None
 
 
-def pixel_hash(pixels: torch.Tensor) -> str:
-    data = pixels.detach().to("cpu", torch.float32).contiguous()
-    return hashlib.sha256(str(tuple(data.shape)).encode() + data.numpy().tobytes()).hexdigest()
+def pixel_hash(*tensors: torch.Tensor) -> str:
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        data = tensor.detach().to("cpu", torch.float32).contiguous()
+        digest.update(str(tuple(data.shape)).encode() + data.numpy().tobytes())
+    return digest.hexdigest()
 
 
 def images_of(multi_modal_data: Any) -> list:
@@ -80,16 +88,22 @@ def decode_image(data: bytes, param: str, index: int = 0):
         raise EngineError(param, f"image {index} could not be decoded ({type(error).__name__})") from None
 
 
-class ImageProcessor:
-    """The model's processor, and how many placeholder tokens each image takes (`tokens_per_image`,
-    from the model's vision spec)."""
+ImageOutputs = dict[str, torch.Tensor]  # one image's processor outputs: pixel_values and, for some models, more
 
-    def __init__(self, model_path: str, image_token_id: int, tokens_per_image) -> None:
+
+class ImageProcessor:
+    """The model's processor, and for each image what its encoder takes and how many placeholder
+    tokens it has (`image_input`, from the model's vision spec)."""
+
+    def __init__(self, model_path: str, image_token_id: int,
+                 image_input: Callable[[ImageOutputs], tuple[ImageOutputs, int]]) -> None:
         from transformers import AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=False)
         self.image_token_id = image_token_id
-        self.tokens_per_image = tokens_per_image
+        self.image_input = image_input
+        # The outputs with one entry per image (pixel_values; LLaVA-NeXT's image_sizes too).
+        self.image_keys = list(getattr(self.processor.image_processor, "model_input_names", ["pixel_values"]))
 
     def __call__(self, prompt: str, multi_modal_data: Any) -> tuple[list[int], list[ImageInput]]:
         images = images_of(multi_modal_data)
@@ -99,16 +113,17 @@ class ImageProcessor:
             raise EngineError("multi_modal_data", f"the model's processor refused the prompt and images: {error}") \
                 from None
         prompt_ids = inputs["input_ids"][0].tolist()
-        pixels = inputs["pixel_values"]
         positions = [i for i, token in enumerate(prompt_ids) if token == self.image_token_id]
         result, cursor = [], 0
         for index in range(len(images)):
-            length = self.tokens_per_image(pixels[index])
+            outputs, length = self.image_input({key: inputs[key][index] for key in self.image_keys if key in inputs})
+            pixels = outputs["pixel_values"]
+            extras = {key: value for key, value in outputs.items() if key != "pixel_values"}
             run = positions[cursor:cursor + length]
             check(len(run) == length and run[-1] - run[0] == length - 1, "prompt",
                   f"image {index}'s placeholder tokens are not where the processor puts them: "
                   "give one image placeholder per image, as the model's chat template writes it")
-            result.append(ImageInput(pixels[index], run[0], length, pixel_hash(pixels[index])))
+            result.append(ImageInput(pixels, run[0], length, pixel_hash(pixels, *extras.values()), extras))
             cursor += length
         check(cursor == len(positions), "prompt", f"holds {len(positions) - cursor} image placeholder tokens "
               "with no image for them")

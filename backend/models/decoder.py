@@ -78,7 +78,7 @@ class ModelArgs:
     moe: MoEArgs | None = None  # mixture-of-experts families: the MLP of their sparse layers
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
     mla: LatentAttentionArgs | None = None  # DeepSeek: multi-head latent attention (head_dim: its rope part)
-    # Vision-language families: the image encoder's spec (`build()`, `tokens_per_image`, `image_token_id`).
+    # Vision-language families: the image encoder's spec (`build()`, `image_input`, `image_token_id`).
     vision: Any = None
     # The family's checkpoint names (`models/loading.py`): checkpoint layers packed into one of ours
     # (q_proj -> (qkv_proj, 0)), and its renames and splits into the decoder's names.

@@ -31,8 +31,9 @@ class LlavaVision:
     projector_act: str = "gelu"
     projector_bias: bool = True
 
-    def tokens_per_image(self, pixel_values: torch.Tensor) -> int:
-        return self.tower.num_patches + (0 if self.tower.drop_class_token else 1)
+    def image_input(self, outputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+        """One image's processor outputs as its encoder takes them, and its placeholder count."""
+        return outputs, self.tower.num_patches + (0 if self.tower.drop_class_token else 1)
 
     def build(self) -> nn.Module:
         return LlavaEncoder(self)

@@ -256,7 +256,9 @@ class ModelRunner:
         for image in missing.values():
             by_size.setdefault(tuple(image.pixel_values.shape), []).append(image)
         for images in by_size.values():
-            features = self.model.vision(torch.stack([i.pixel_values for i in images]).to(self.device, self.dtype))
+            extras = {key: torch.stack([i.extras[key] for i in images]).to(self.device) for key in images[0].extras}
+            features = self.model.vision(torch.stack([i.pixel_values for i in images]).to(self.device, self.dtype),
+                                         **extras)
             for image, feature in zip(images, features):
                 self.encoder_cache[image.hash] = feature
         rows = torch.cat([torch.arange(row, row + span[1] - span[0]) for row, _, span in wanted])
