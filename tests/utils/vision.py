@@ -66,3 +66,44 @@ def tiny_llava(path, tokenizer_source: str):
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return str(path), model, processor
+
+
+# llava-v1.6-mistral's chat template, shortened: content parts in their order, each image as its placeholder.
+LLAVA_NEXT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<image>\n' }}{% elif content['type'] == 'text' %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{% if message['role'] == 'user' %}{{ ' [/INST]' }}{% else %}{{ eos_token }}"
+    "{% endif %}{% endfor %}")
+
+
+def tiny_llava_next(path, tokenizer_source: str):
+    """A tiny LLaVA-NeXT in `path` over `tokenizer_source`'s tokenizer (plus an <image> token): the CLIP tower of
+    `tiny_llava` (32 x 32 tiles, 16 features each), grids of 1 x 2 to 2 x 2 and 1 x 3 tiles, a Qwen2 decoder (q/k/v
+    biases); its processor and chat template. Every weight perturbed, image_newline included. (path, HF model,
+    processor)."""
+    from transformers import (AutoTokenizer, CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
+                              LlavaNextImageProcessorPil, LlavaNextProcessor, Qwen2Config)
+
+    pinpoints = [[32, 64], [64, 32], [64, 64], [32, 96], [96, 32]]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    processor = LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                                   image_grid_pinpoints=pinpoints),
+        tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", image_token="<image>",
+        num_additional_image_tokens=1, chat_template=LLAVA_NEXT_CHAT_TEMPLATE)
+    config = LlavaNextConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                       image_size=32, patch_size=8),
+        text_config=Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+        image_grid_pinpoints=pinpoints, image_token_index=tokenizer.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(0)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * (0.3 if param.dim() == 1 else 0.1))
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path), model, processor
