@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from backend.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates_of, check_fits, step_params
 from backend.config import EngineConfig
+from backend.engine.chat_images import chat_images
 from backend.engine.engine import LLMEngine
 from backend.errors import EngineError
 from backend.lora import LoRARequest
@@ -65,15 +66,21 @@ class LLM:
              sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
              chat_template: str | None = None, use_tqdm: bool = False,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Render each conversation with the tokenizer's chat template, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        """Render each conversation with the tokenizer's chat template, then generate. Content may
+        hold OpenAI-style image_url parts (data URLs) for a vision-language model: the template writes
+        each image's placeholder and the model's processor expands it (`chat_images.py`)."""
+        conversations: list = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
-        prompts = [tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                                 add_generation_prompt=add_generation_prompt)
-                   for conversation in conversations]
-        # The template already holds the special tokens; don't let the tokenizer add a BOS twice.
-        token_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-        outputs = self.generate(token_ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        prompts, requests = [], []
+        for conversation in conversations:
+            conversation, images = chat_images(conversation)
+            prompt = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                                   add_generation_prompt=add_generation_prompt)
+            prompts.append(prompt)
+            # The template already holds the special tokens; don't let the tokenizer add a BOS twice.
+            requests.append({"prompt": prompt, "multi_modal_data": {"image": images}} if images
+                            else tokenizer(prompt, add_special_tokens=False).input_ids)
+        outputs = self.generate(requests, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         for output, prompt in zip(outputs, prompts):
             output.prompt = prompt
         return outputs
