@@ -1,8 +1,9 @@
 """Errors a client caused or can act on: a stable code, the parameter concerned, and one message
 format (`param: what is wrong (got value)`). They cross the Triton boundary as text with a trailing
 tag (`... [code=invalid_parameter param=top_p]`, plus any numeric details: `max_model_len=2048`)
-that the frontend reads back, so nothing downstream matches on wording. Imports nothing from the
-rest of `backend/`.
+that the frontend reads back, so nothing downstream matches on wording. The few messages worded as
+Triton's vLLM backend words them (its tests compare the whole text) cross untagged, and WORDED gives
+their code and parameter. Imports nothing from the rest of `backend/`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ KV_CACHE_TOO_SMALL = "kv_cache_too_small"
 ENGINE_OVERLOADED = "engine_overloaded"
 MODEL_UNAVAILABLE = "model_unavailable"
 NOT_FOUND = "not_found"
+
+# Triton's vLLM backend's own messages, sent verbatim because its L0 tests compare them whole:
+# message -> (code, param), which parse_wire returns for them as for a tag.
+STREAM_ECHO_REFUSED = "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+WORDED = {STREAM_ECHO_REFUSED: (INVALID_PARAMETER, "exclude_input_in_output")}
 
 _MISSING = object()
 _TAG = re.compile(r"\s*\[code=(?P<code>[a-z_]+)(?: param=(?P<param>[^\]\s=]+))?"
@@ -33,8 +39,19 @@ class EngineError(ValueError):
         super().__init__(text)
         self.param, self.code, self.details = param, code, details
 
+    @classmethod
+    def worded(cls, message: str) -> EngineError:
+        """One of WORDED's messages, whose wire form is the message alone."""
+        code, param = WORDED[message]
+        error = cls(None, message, code)
+        error.param = param
+        return error
+
     def wire(self) -> str:
-        """The message with its tag, for a Triton error; integer details ride along."""
+        """The message with its tag, for a Triton error; integer details ride along. WORDED's
+        messages go as they are."""
+        if WORDED.get(str(self)) == (self.code, self.param):
+            return str(self)
         param = f" param={self.param}" if self.param else ""
         details = "".join(f" {k}={v}" for k, v in self.details.items()
                           if isinstance(v, int) and not isinstance(v, bool))
@@ -52,7 +69,8 @@ def parse_wire(text: str) -> tuple[str | None, str | None, str]:
     """(code, param, message) from a tagged message; (None, None, text) when it carries no tag."""
     match = _TAG.search(text)
     if match is None:
-        return None, None, text.strip()
+        code, param = WORDED.get(text.strip(), (None, None))
+        return code, param, text.strip()
     return match.group("code"), match.group("param"), text[:match.start()].strip()
 
 

@@ -310,7 +310,7 @@ GRPC_BAD_INPUTS = [
      "unexpected inference input 'bogus'"),
     ("stream echoing the prompt", [text_input(b"Hi"), tensor("stream", np.array([True]), "BOOL"),
                                    tensor("exclude_input_in_output", np.array([False]), "BOOL")],
-     "exclude_input_in_output: false is not allowed when streaming"),
+     "When streaming, `exclude_input_in_output` = False is not allowed."),
 ]
 
 # Over HTTP the error code shows: INVALID_ARG is a 400.

@@ -258,6 +258,50 @@ def test_vllm_backend_sample_repository_streams_with_tritonclient(triton):
     assert len(pieces) >= 2 and "".join(pieces).strip()
 
 
+# Their L0 tests compare these whole (ci/L0_backend_vllm: enabled_stream, request_cancellation).
+VLLM_STREAM_ECHO_ERROR = "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+VLLM_CANCEL_LOG_LINES = ("[vllm] Cancelling the request", "[vllm] Successfully cancelled the request")
+
+
+def test_vllm_backend_wording_for_a_streamed_echo_and_a_cancellation(triton):
+    """Their enabled_stream and request_cancellation tests' checks, unchanged: the error's whole text,
+    and the two log lines in Triton's log; the frontend still reads the error's code and parameter."""
+    import time
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from openai_frontend.errors import from_triton_message
+    from tests.utils import wait_for
+    from tests.utils.triton import Stream, make_inputs
+
+    stream = Stream(triton.grpc_url)
+    try:
+        stream.send(make_inputs("The future of AI is", {"max_tokens": 4}, stream=True, exclude_input_in_output=False),
+                    model="vllm_model")
+        result, error = stream.next()
+    finally:
+        stream.close()
+    assert isinstance(error, InferenceServerException) and error.message() == VLLM_STREAM_ECHO_ERROR, error
+    refused = from_triton_message(error.message())
+    assert (refused.status, refused.param) == (400, "exclude_input_in_output")
+
+    log = Path(triton.log_file)
+    assert not any(line in log.read_text(encoding="utf-8", errors="replace") for line in VLLM_CANCEL_LOG_LINES)
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.put(error))
+    client.async_stream_infer("vllm_model", make_inputs(
+        "Write an original and creative poem of at least 200 words.",
+        {"temperature": "0", "top_p": "1", "max_tokens": "1500"}, stream=False), request_id="1")
+    time.sleep(1)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert str(answers.get(timeout=10).status()) == "StatusCode.CANCELLED"
+    wait_for(lambda: all(line in log.read_text(encoding="utf-8", errors="replace") for line in VLLM_CANCEL_LOG_LINES), timeout=10,
+             message="the vLLM backend's cancellation log lines")
+
+
 # -- `tritonllm serve` flags -----------------------------------------------------------------------
 def test_serve_refuses_trust_remote_code_before_starting_anything(tmp_path):
     import subprocess

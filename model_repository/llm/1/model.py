@@ -285,6 +285,8 @@ class TritonPythonModel:
         for job in jobs:
             if job.request.is_cancelled():
                 job.cancelled = True
+                # The vLLM backend's log lines, which its cancellation test looks for in Triton's log.
+                pb_utils.Logger.log_info("[vllm] Cancelling the request")
                 self._abort(job)  # its final output (finish_reason abort) follows
 
     def _deliver(self, job: Job, item: RequestOutput | pb_utils.TritonError) -> None:
@@ -308,6 +310,8 @@ class TritonPythonModel:
             if output.finished:
                 message, code = (("request cancelled", pb_utils.TritonError.CANCELLED) if job.cancelled
                                  else ("the model is being unloaded", pb_utils.TritonError.UNAVAILABLE))
+                if job.cancelled:
+                    pb_utils.Logger.log_info("[vllm] Successfully cancelled the request")
                 self._finish(job, pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)))
             return
         response = self._response(job, output)

@@ -13,7 +13,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend import RequestOutputKind, SamplingParams
 from backend.engine.beam_search import pop_beam_options
-from backend.errors import EngineError, check
+from backend.errors import STREAM_ECHO_REFUSED, EngineError, check
 from backend.multimodal import MAX_IMAGES_PER_PROMPT, decode_image
 from backend.sampling_params import parse_json
 
@@ -43,8 +43,8 @@ def parse_request(request, defaults: dict | None = None) -> tuple[str | list[int
             value = value.strip().lower() in ("true", "1", "yes")
         flags[name] = None if value is None else bool(value)
     stream = bool(flags["stream"])
-    check(not (stream and flags["exclude_input_in_output"] is False), "exclude_input_in_output",
-          "false is not allowed when streaming")
+    if stream and flags["exclude_input_in_output"] is False:  # the vLLM backend's words, which its tests compare
+        raise EngineError.worded(STREAM_ECHO_REFUSED)
     # Non-streaming responses echo the prompt unless told not to (the vLLM backend's default).
     flags["prepend_input"] = not stream and not flags["exclude_input_in_output"]
     flags["stream"] = stream
