@@ -10,7 +10,7 @@ import torch
 
 from backend import LLM, SamplingParams
 from backend.errors import EngineError
-from tests.utils.vision import base64_png, image, tiny_llava
+from tests.utils.vision import base64_png, data_url, image, tiny_llava
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -82,6 +82,23 @@ def test_the_prefix_cache_keys_blocks_by_their_images(llava, reference):
         llava[1].config.image_token_index)
     assert other.num_cached_tokens <= placeholders  # only the text before the image is shared
     assert tokens([other]) == [hf_greedy(llava[1], llava[2], text, [other_image])]
+
+
+def test_chat_takes_image_url_parts(llava):
+    """LLM.chat with two PNG data URLs gives what transformers gives for llava-1.5's template prompt and
+    the images; a conversation without images stays a plain chat beside it."""
+    _, model, processor = llava
+    llm = LLM(llava[0], dtype="float32", kv_cache_memory_bytes=64 << 20)
+    images = PROMPTS[1][1]
+    content = [{"type": "image_url", "image_url": {"url": data_url(picture)}} for picture in images]
+    content.append({"type": "text", "text": "Which is brighter?"})
+    text_only = [{"role": "user", "content": "no image here"}]
+    with_images, without = llm.chat([[{"role": "user", "content": content}], text_only], GREEDY)
+    prompt = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "image"}, {"type": "text", "text": "Which is brighter?"}]}], add_generation_prompt=True)
+    assert with_images.prompt == prompt
+    assert tokens([with_images]) == [hf_greedy(model, processor, prompt, images)]
+    assert without.prompt == processor.apply_chat_template(text_only, add_generation_prompt=True)
 
 
 def test_bad_images_are_refused_clearly(llava, model_path):
