@@ -98,15 +98,18 @@ def paged_attention_decode_reference(query: torch.Tensor, key_cache: torch.Tenso
 
 def causal_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                query_positions: torch.Tensor, scale: float, *, sliding_window: int | None = None,
-                               logits_soft_cap: float | None = None,
-                               sinks: torch.Tensor | None = None) -> torch.Tensor:
+                               logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                               bidirectional: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
     """One sequence's queries over its keys at positions 0..L-1. query [H, Tq, D], key/value
     [KVH, L, D], query_positions [Tq]. Returns [H, Tq, D]. Key j is seen by the query at position i
-    when j <= i (and i - sliding_window < j); a soft cap applies before the softmax, as in Hugging
-    Face's eager attention (SDPA where there is neither, nor `sinks` [H])."""
+    when j <= i, or both lie in one of the `bidirectional` ranges [first, end) (Gemma 3's images),
+    and then i - sliding_window < j; a soft cap applies before the softmax, as in Hugging Face's
+    eager attention (SDPA where there is neither, nor `sinks` [H])."""
     key_positions = torch.arange(key.shape[1], device=query.device)
     rows = query_positions.unsqueeze(1)
     visible = key_positions.unsqueeze(0) <= rows  # [Tq, L]
+    for first, end in bidirectional:
+        visible |= ((rows >= first) & (rows < end)) & ((key_positions >= first) & (key_positions < end))
     if sliding_window is not None:
         visible &= key_positions.unsqueeze(0) > rows - sliding_window
     if logits_soft_cap is None and sinks is None:

@@ -124,6 +124,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kernels.paged_attention_prefill(query[num_decodes:], key_cache, value_cache, meta.prefill_block_tables,
                                         meta.prefill_query_starts, meta.prefill_seq_lens,
                                         meta.max_prefill_query_len, scale, out=out[num_decodes:], **options)
+    for span in meta.prefills:
+        if span.bidirectional:  # an image's placeholders see each other (Gemma 3): the kernel is causal
+            rows = slice(span.start, span.start + span.num_query_tokens)
+            out[rows] = attention.reference_prefill(query[rows], kv_cache, span, scale, **options)
     return out.view(num_tokens, num_heads * head_dim)
 
 

@@ -9,8 +9,9 @@ its cached prefix a tile of blocks at a time, the parts merged by their log-sum-
 matrix, no copy of the whole context). Where the C++ kernel does not apply (an fp8 cache, other head
 sizes, sinks, a one-part cache), decodes run as one batched, masked attention over gathered blocks
 and every prefill chunk through `flash_prefill`, or, under a sliding window that hides part of it or
-a soft cap, through the torch reference. On CUDA, `backend/ops/__init__.py` runs the Triton kernels on the
-same metadata instead.
+a soft cap, through the torch reference. A chunk holding bidirectional ranges (Gemma 3's images)
+always takes the torch reference, on every path. On CUDA, `backend/ops/__init__.py` runs the Triton
+kernels on the same metadata instead.
 
 The KV cache of a layer is [2, KVH, num_blocks, block_size, D]: each KV head's blocks together, so
 gathering a sequence's blocks yields [KVH, L, D] slabs that feed batched matmuls without a copy.
@@ -46,6 +47,9 @@ class PrefillSpan:
     num_query_tokens: int
     context_len: int  # tokens the chunk attends to, itself included
     block_table: torch.Tensor  # blocks covering context_len
+    # Position ranges [first, end) whose tokens see each other, later ones included: the placeholders
+    # of one image under Gemma 3. The chunk holds each range's end; the torch reference computes it.
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -108,12 +112,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if flash_takes(span, sliding_window, logits_soft_cap):
             out = flash_prefill(query[rows], key[rows], value[rows], kv_cache, span, scale, sinks=sinks)
         else:
-            k = gather_blocks(key_cache, span.block_table)[:, :span.context_len].to(query.dtype)
-            v = gather_blocks(value_cache, span.block_table)[:, :span.context_len].to(query.dtype)
-            positions = torch.arange(span.num_query_tokens, device=query.device) + span.context_len - span.num_query_tokens
-            out = causal_attention_reference(query[rows].transpose(0, 1), k, v, positions, scale,
-                                             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                             sinks=sinks).transpose(0, 1)
+            out = reference_prefill(query[rows], kv_cache, span, scale, sliding_window=sliding_window,
+                                    logits_soft_cap=logits_soft_cap, sinks=sinks)
         outputs.append(out.reshape(span.num_query_tokens, num_heads * head_dim))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
@@ -124,8 +124,8 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """The C++ kernel for the decodes and short prefill chunks (reading the blocks in place, one
     token at a time), `flash_prefill` for chunks of at least FLASH_MIN_QUERY_TOKENS it takes."""
     num_tokens, num_heads, head_dim = query.shape
-    long_spans = [span for span in meta.prefills if span.num_query_tokens >= FLASH_MIN_QUERY_TOKENS
-                  and flash_takes(span, sliding_window, logits_soft_cap)]
+    long_spans = [span for span in meta.prefills if span.bidirectional or (
+        span.num_query_tokens >= FLASH_MIN_QUERY_TOKENS and flash_takes(span, sliding_window, logits_soft_cap))]
     if not long_spans:
         out = cpu_ops.paged_attention(query, kv_cache, meta.block_tables, meta.token_rows,
                                       meta.token_context_lens, scale, sliding_window=sliding_window,
@@ -139,7 +139,10 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                                   meta.token_context_lens[rows], scale, sliding_window=sliding_window,
                                                   logits_soft_cap=logits_soft_cap))
         rows = slice(span.start, span.start + span.num_query_tokens)
-        if span.num_query_tokens:
+        if span.bidirectional:
+            pieces.append(reference_prefill(query[rows], kv_cache, span, scale, sliding_window=sliding_window,
+                                            logits_soft_cap=logits_soft_cap))
+        elif span.num_query_tokens:
             pieces.append(flash_prefill(query[rows], key[rows], value[rows], kv_cache, span, scale))
         kernel_from = rows.stop
     # One piece (a lone long prompt) is returned as it is: no copy into a fresh buffer, whose first
@@ -149,8 +152,24 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def flash_takes(span: PrefillSpan, sliding_window: int | None, logits_soft_cap: float | None) -> bool:
-    """Whether `flash_prefill` computes this chunk: no soft cap, and no window that hides any of it."""
-    return logits_soft_cap is None and (sliding_window is None or sliding_window >= span.context_len)
+    """Whether `flash_prefill` computes this chunk: causal, no soft cap, and no window that hides any of it."""
+    return (not span.bidirectional and logits_soft_cap is None
+            and (sliding_window is None or sliding_window >= span.context_len))
+
+
+def reference_prefill(query: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float, *,
+                      sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One prefill chunk's queries [Tq, H, D] over its whole context, gathered from the cache (which
+    already holds the chunk's own keys), through the torch reference: any window, soft cap, sinks
+    and bidirectional ranges. Returns [Tq, H, D]."""
+    key_cache, value_cache = cache_views(kv_cache)
+    k = gather_blocks(key_cache, span.block_table)[:, :span.context_len].to(query.dtype)
+    v = gather_blocks(value_cache, span.block_table)[:, :span.context_len].to(query.dtype)
+    positions = torch.arange(span.num_query_tokens, device=query.device) + span.context_len - span.num_query_tokens
+    return causal_attention_reference(query.transpose(0, 1), k, v, positions, scale, sliding_window=sliding_window,
+                                      logits_soft_cap=logits_soft_cap, sinks=sinks,
+                                      bidirectional=span.bidirectional).transpose(0, 1)
 
 
 def flash_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

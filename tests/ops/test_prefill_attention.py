@@ -2,9 +2,12 @@
 `flash_prefill` (torch's blocked flash attention, tile by tile over the paged cache, parts merged by
 their log-sum-exp), the rest through the C++ kernel or the torch reference. Each against the torch
 references, over a step that mixes decodes, short chunks, fresh long chunks and long chunks after a
-cached prefix of several tiles."""
+cached prefix of several tiles; and chunks with bidirectional ranges (Gemma 3's images) against a
+mask built here."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -60,7 +63,7 @@ def make_step(sequences, heads: int, kv_heads: int, head_dim: int, dtype: torch.
     return query, key, value, cache, meta
 
 
-def expected_attention(query, key, value, cache, meta, scale, sinks=None):
+def expected_attention(query, key, value, cache, meta, scale, sinks=None, sliding_window=None):
     """The references: the step's keys written into a copy of the cache, then decode and prefill."""
     cache = cache.clone()
     key_cache, value_cache = cache_views(cache)
@@ -72,10 +75,11 @@ def expected_attention(query, key, value, cache, meta, scale, sinks=None):
     if meta.num_decodes:
         parts.append(reference.paged_attention_decode_reference(query[:meta.num_decodes], key_cache, value_cache,
                                                                 meta.decode_block_tables, meta.decode_seq_lens,
-                                                                scale, sinks=sinks))
+                                                                scale, sinks=sinks, sliding_window=sliding_window))
     parts.append(reference.paged_attention_prefill_reference(query[meta.num_decodes:], key_cache, value_cache,
                                                              meta.prefill_block_tables, meta.prefill_query_starts,
-                                                             meta.prefill_seq_lens, scale, sinks=sinks))
+                                                             meta.prefill_seq_lens, scale, sinks=sinks,
+                                                             sliding_window=sliding_window))
     return torch.cat(parts).flatten(1)
 
 
@@ -151,4 +155,36 @@ def test_one_part_latent_cache():
     query, key, value, cache, meta = make_step(SEQUENCES, 4, 1, 96, torch.float32, parts=1)
     expected = expected_attention(query, key, value, cache, meta, 0.1)
     actual = attention.paged_attention(query, key, value, cache, meta, 0.1)
+    torch.testing.assert_close(actual, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("path", ["fused", "torch"])
+@pytest.mark.parametrize("window", [None, 4])
+def test_bidirectional_ranges_see_their_later_keys(path, window):
+    """Gemma 3's images: a query inside a chunk's bidirectional range also sees that range's later keys
+    (Hugging Face's (causal or same image) and then the window); a range that started before the
+    chunk (a cached prefix) too. The step's decodes and other chunks keep their causal attention."""
+    torch.manual_seed(5)
+    query, key, value, cache, meta = make_step(SEQUENCES, 4, 2, 64, torch.float32)
+    ranges = ((16, 24), (26, 29))  # the chunk holds positions 20..29: the first range began before it
+    meta.prefills[0] = dataclasses.replace(meta.prefills[0], bidirectional=ranges)
+    if path == "torch":
+        meta.token_rows = None
+    expected = expected_attention(query, key, value, cache, meta, 0.125, sliding_window=window)
+    span = meta.prefills[0]
+    rows = slice(span.start, span.start + span.num_query_tokens)
+    filled = cache.clone()
+    cache_views(filled)[0].reshape(-1, 2, 64)[meta.slot_mapping] = key
+    cache_views(filled)[1].reshape(-1, 2, 64)[meta.slot_mapping] = value
+    keys, values = (reference.gather_blocks(part, span.block_table)[:, :30].repeat_interleave(2, dim=0)
+                    for part in cache_views(filled))
+    q_pos, k_pos = torch.arange(20, 30).unsqueeze(1), torch.arange(30).unsqueeze(0)
+    visible = k_pos <= q_pos
+    for first, end in ranges:
+        visible |= (q_pos >= first) & (q_pos < end) & (k_pos >= first) & (k_pos < end)
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    scores = (query[rows].transpose(0, 1) @ keys.transpose(1, 2) * 0.125).masked_fill(~visible, float("-inf"))
+    expected[rows] = (scores.softmax(-1) @ values).transpose(0, 1).flatten(1)
+    actual = attention.paged_attention(query, key, value, cache, meta, 0.125, sliding_window=window)
     torch.testing.assert_close(actual, expected, **TOLERANCE[torch.float32])
