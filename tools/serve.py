@@ -13,6 +13,7 @@ import importlib.util
 import ipaddress
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -32,6 +33,8 @@ FRONTEND_MODULE = "openai_frontend.main"
 API_KEY_ENV = "TRITONLLM_API_KEY"
 ADMIN_KEY_HEADER = "triton-admin-key"
 ADMIN_KEY_FILE = "triton-admin-key"
+# Triton reads the key from `--http-restricted-api=<apis>:<header>=<key>`: no `:`, `,` or `=` in it.
+ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]{16,}")
 STUB_CHECK_S = 0.5
 
 
@@ -52,6 +55,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                               "--api-key-file: a key on the command line shows in `ps`")
     servers.add_argument("--api-key-file", type=Path, default=None,
                          help="a file holding the API key (its first line)")
+    servers.add_argument("--admin-key-file", type=Path, default=None,
+                         help="Triton's admin key chosen by the operator (a trusted CI): the first line of a file "
+                              "only its owner may read (chmod 600), read once at start; default: a fresh random "
+                              "key each run, in <workdir>/triton-admin-key")
     servers.add_argument("--model-control", choices=("none", "explicit"), default="none",
                          help="Triton's model control: `none` loads every model at start and refuses load "
                               "and unload; `explicit` allows them to holders of the admin key (docs/security.md)")
@@ -119,6 +126,21 @@ def triton_arguments(args: argparse.Namespace, admin_key: str) -> list[str]:
                else ["--model-control-mode=explicit", "--load-model=*"])
     restricted = f"model-repository,logging,trace:{ADMIN_KEY_HEADER}={admin_key}"
     return control + [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
+
+
+def read_admin_key_file(path: Path) -> str:
+    """The operator's admin key: the first line of `path`, which group and others must not be able to
+    read or write (0600 or 0400); a key is a root password here (docs/security.md)."""
+    with open(path, encoding="utf-8") as file:  # the mode checked is the mode of the file read
+        mode = os.fstat(file.fileno()).st_mode & 0o777
+        if mode & 0o077:
+            raise ValueError(f"--admin-key-file {path}: group or others may access it (mode {mode:o}); "
+                             "chmod 600 it")
+        key = file.readline().strip()
+    if not ADMIN_KEY_PATTERN.fullmatch(key):
+        raise ValueError(f"--admin-key-file {path}: its first line must be a key of at least 16 letters, digits "
+                         "or . _ ~ + / - (e.g. `openssl rand -hex 32`)")
+    return key
 
 
 def write_admin_key(workdir: Path) -> str:
@@ -285,6 +307,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         engine_args = engine_arguments(args)
         key = api_key(args)
+        chosen_admin_key = read_admin_key_file(args.admin_key_file) if args.admin_key_file else None
         if getattr(args, "chat_template", None) is not None:  # checked now, not after Triton loaded
             template = Path(args.chat_template).expanduser()
             if template.is_file():
@@ -306,7 +329,7 @@ def run_serve(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     repository = write_model_repository(workdir / "model_repository", engine_args)
     log_file = workdir / "tritonserver.log"
-    admin_key = write_admin_key(workdir)
+    admin_key = chosen_admin_key or write_admin_key(workdir)
     server = TritonServer(repository, workdir, host=args.triton_host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_file=log_file,
                           extra_args=triton_arguments(args, admin_key))

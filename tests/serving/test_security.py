@@ -1,8 +1,9 @@
 """`tritonllm serve` as an attacker and an operator meet it (issue 26): Triton's model control is
 closed (no unload, no load with a `file:` override), its repository, logging and trace APIs need
-the admin key, the API key sits on no command line, a dead llm stub makes serve exit non-zero,
-and `kill -9` of serve leaves no process and no listening port behind; every server binds loopback by
-default.
+the admin key (Triton's header on HTTP, its gRPC form on gRPC; an operator's key from
+--admin-key-file, issue 42), the API key sits on no command line, a dead llm stub makes serve exit
+non-zero, and `kill -9` of serve leaves no process and no listening port behind; every server binds
+loopback by default.
 
 Each test runs the real `serve` (tritonserver, both stubs, the frontend) on a tiny random Llama.
 """
@@ -11,15 +12,20 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import subprocess
+import sys
 
 import psutil
 import pytest
 
+from tests.utils import ROOT
 from tests.utils.serve import Serve, listening
-from tools.serve import ADMIN_KEY_HEADER
+from tools.serve import ADMIN_KEY_FILE, ADMIN_KEY_HEADER, read_admin_key_file
 from tools.triton_server import SHM_REGION_PREFIX, remove_stale_shm_regions
 
 API_KEY = "sk-security-test-0123456789"  # distinctive: no command line may hold it
+CI_ADMIN_KEY = "ci-admin-key-0123456789abcdef"  # an operator's choice, as a trusted CI would make it
+GRPC_ADMIN_HEADER = "triton-grpc-protocol-triton-admin-key"  # Triton's gRPC form of the HTTP header
 
 
 @pytest.fixture
@@ -96,13 +102,62 @@ def test_servers_default_to_loopback():
     assert inspect.signature(TritonServer).parameters["host"].default == "127.0.0.1"
 
 
-def test_explicit_control_needs_the_admin_key_and_kill_9_of_serve_leaves_nothing(serve):
-    serve = serve("--model-control", "explicit")
-    status, text = serve.triton("/v2/repository/index")
-    assert status == 403, (status, text)
-    assert serve.triton("/v2/repository/index", admin=True)[0] == 200
+def key_file(folder, key: str, mode: int):
+    path = folder / "admin.key"
+    path.write_text(key + "\n")
+    path.chmod(mode)
+    return path
+
+
+def test_admin_key_file_is_the_operators_own_and_private(tmp_path, tiny_llama):
+    assert read_admin_key_file(key_file(tmp_path, CI_ADMIN_KEY, 0o600)) == CI_ADMIN_KEY
+    assert read_admin_key_file(key_file(tmp_path, CI_ADMIN_KEY, 0o400)) == CI_ADMIN_KEY
+    for key, mode, message in ((CI_ADMIN_KEY, 0o640, "group or others may access it (mode 640)"),
+                               (CI_ADMIN_KEY, 0o604, "(mode 604)"), (CI_ADMIN_KEY, 0o620, "(mode 620)"),
+                               ("short", 0o600, "at least 16"), ("with:colon-0123456789", 0o600, "at least 16"),
+                               ("", 0o600, "at least 16")):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            read_admin_key_file(key_file(tmp_path, key, mode))
+    # serve refuses it before starting anything.
+    done = subprocess.run([sys.executable, "-m", "tools.serve", "--model", tiny_llama, "--workdir", str(tmp_path / "w"),
+                           "--admin-key-file", str(key_file(tmp_path, CI_ADMIN_KEY, 0o644))],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "chmod 600" in done.stderr, done.stderr
+    assert not (tmp_path / "w" / "tritonserver.log").exists()
+
+
+def test_explicit_control_with_the_operators_key_over_http_and_grpc_and_kill_9_of_serve_leaves_nothing(
+        serve, tmp_path):
+    """docs/triton.md's migration step for the vLLM backend's load/unload tests, as written there:
+    `--model-control explicit --admin-key-file`, and the key in tritonclient's `headers=`."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    serve = serve("--model-control", "explicit", "--admin-key-file", str(key_file(tmp_path, CI_ADMIN_KEY, 0o600)))
+    assert not (serve.work / ADMIN_KEY_FILE).exists()  # the operator's file is the only copy
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{serve.ports['http-port']}")
+    grpc = grpcclient.InferenceServerClient(serve.grpc_url)
+    for client, admin in ((http, {"triton-admin-key": CI_ADMIN_KEY}), (grpc, {GRPC_ADMIN_HEADER: CI_ADMIN_KEY})):
+        # Without the key, with the other protocol's header, or with a wrong key: refused.
+        other = {"triton-admin-key" if client is grpc else GRPC_ADMIN_HEADER: CI_ADMIN_KEY}
+        for headers in (None, other, {next(iter(admin)): "wrong-key-0123456789"}):
+            for method, args in (("get_model_repository_index", ()), ("unload_model", ("llm",)),
+                                 ("load_model", ("llm",))):
+                with pytest.raises(InferenceServerException, match="triton-admin-key"):
+                    getattr(client, method)(*args, headers=headers)
+        assert client.is_model_ready("llm")
+        # With it: unload and load again, and the index says so.
+        client.unload_model("llm", headers=admin)
+        assert not client.is_model_ready("llm")
+        client.load_model("llm", headers=admin)
+        assert client.is_model_ready("llm")
+        index = client.get_model_repository_index(headers=admin)
+        names = [m["name"] for m in index] if client is http else [m.name for m in index.models]
+        assert {"llm", "embeddings"} <= set(names)
     status, text = serve.triton("/v2/logging", {"log_verbose_level": 1})
     assert status == 403, (status, text)
+    assert CI_ADMIN_KEY not in serve.log()
 
     processes = serve.descendants()
     assert len(processes) >= 4, processes  # tritonserver, two stubs, the frontend
