@@ -96,10 +96,13 @@ class ImageProcessor:
     tokens it has (`image_input`, from the model's vision spec)."""
 
     def __init__(self, model_path: str, image_token_id: int,
-                 image_input: Callable[[ImageOutputs], tuple[ImageOutputs, int]]) -> None:
+                 image_input: Callable[[ImageOutputs], tuple[ImageOutputs, int]],
+                 load_processor: Callable[[str], Any] | None = None) -> None:
         from transformers import AutoProcessor
 
-        self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=False)
+        # A vision spec may load its processor itself (Qwen2.5-VL's, without the video half).
+        self.processor = load_processor(model_path) if load_processor is not None else \
+            AutoProcessor.from_pretrained(model_path, trust_remote_code=False)
         self.image_token_id = image_token_id
         self.image_input = image_input
         # The outputs with one entry per image (pixel_values; LLaVA-NeXT's image_sizes too).
@@ -114,9 +117,12 @@ class ImageProcessor:
                 from None
         prompt_ids = inputs["input_ids"][0].tolist()
         positions = [i for i, token in enumerate(prompt_ids) if token == self.image_token_id]
+        per_image = {key: inputs[key] for key in self.image_keys if key in inputs}
+        if "image_grid_thw" in inputs:  # Qwen2-VL's family: every image's patches in one run, split by its grid
+            per_image["pixel_values"] = inputs["pixel_values"].split(inputs["image_grid_thw"].prod(-1).tolist())
         result, cursor = [], 0
         for index in range(len(images)):
-            outputs, length = self.image_input({key: inputs[key][index] for key in self.image_keys if key in inputs})
+            outputs, length = self.image_input({key: values[index] for key, values in per_image.items()})
             pixels = outputs["pixel_values"]
             extras = {key: value for key, value in outputs.items() if key != "pixel_values"}
             run = positions[cursor:cursor + length]

@@ -95,7 +95,7 @@ class LLMEngine:
         self.generation_defaults = generation_defaults(config, self.model_path)
         vision = self.runner.args.vision
         self.image_processor = None if vision is None or config.skip_tokenizer_init else ImageProcessor(
-            self.model_path, vision.image_token_id, vision.image_input)
+            self.model_path, vision.image_token_id, vision.image_input, getattr(vision, "load_processor", None))
         self._update_gauges()  # vllm:lora_requests_info's labels from the start
 
     # -- requests ------------------------------------------------------------------------------
