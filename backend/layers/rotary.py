@@ -132,3 +132,12 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
         return ops.rotary_embedding(query, key, cos, sin)
     q_rot, k_rot = ops.rotary_embedding(query[..., :rotary].contiguous(), key[..., :rotary].contiguous(), cos, sin)
     return torch.cat((q_rot, query[..., rotary:]), dim=-1), torch.cat((k_rot, key[..., rotary:]), dim=-1)
+
+
+def mrope(table: torch.Tensor, section: tuple[int, ...]) -> torch.Tensor:
+    """M-RoPE (Qwen2-VL's family): cos or sin [3, T, R] at each token's (temporal, height, width)
+    positions -> [T, R], frequency block i of `section` (over R / 2, the halves repeated) taken from
+    part i % 3, as Hugging Face recomposes them."""
+    part = torch.cat([torch.full((size,), i % 3, dtype=torch.int64) for i, size in enumerate(section)])
+    part = torch.cat((part, part)).to(table.device)
+    return table.gather(0, part.expand(1, table.shape[1], -1)).squeeze(0)

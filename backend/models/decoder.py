@@ -32,7 +32,7 @@ from backend.layers.attention import Attention
 from backend.layers.mla import LatentAttention, LatentAttentionArgs
 from backend.layers.moe import MoEArgs, SparseMoE
 from backend.layers.norm import RMSNorm
-from backend.layers.rotary import rope_tables
+from backend.layers.rotary import mrope, rope_tables
 from backend.layers.sharding import Part, output_rows, packed, row_parallel, vocab_parallel
 from backend.worker.parallel_state import ParallelState
 
@@ -80,6 +80,9 @@ class ModelArgs:
     mla: LatentAttentionArgs | None = None  # DeepSeek: multi-head latent attention (head_dim: its rope part)
     # Vision-language families: the image encoder's spec (`build()`, `image_input`, `image_token_id`).
     vision: Any = None
+    # M-RoPE (Qwen2.5-VL): the rotary frequencies' blocks turned by the temporal, height and width
+    # positions; steps holding image placeholders bring positions [3, T] (`vision.rope_positions`).
+    mrope_section: tuple[int, ...] | None = None
     # The family's checkpoint names (`models/loading.py`): checkpoint layers packed into one of ours
     # (q_proj -> (qkv_proj, 0)), and its renames and splits into the decoder's names.
     packed_modules_mapping: dict[str, tuple[str, int]] = field(default_factory=dict)
@@ -255,6 +258,9 @@ class CausalLM(nn.Module):
         x = self.embed(input_ids) if hidden is None else hidden
         cos = [table[positions].to(x.dtype) for table in self.rope_cos]  # [T, rotary_dim] each
         sin = [table[positions].to(x.dtype) for table in self.rope_sin]
+        if positions.dim() == 2:  # M-RoPE: [3, T] positions, each part turning its section of the frequencies
+            cos = [mrope(table, self.args.mrope_section) for table in cos]
+            sin = [mrope(table, self.args.mrope_section) for table in sin]
         for layer, rope, kv_cache in zip(self.layers, self.layer_rope, kv_caches):
             x, residual = layer(x, residual, cos[rope], sin[rope], kv_cache, meta)
         return x, residual

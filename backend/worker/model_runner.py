@@ -216,6 +216,7 @@ class ModelRunner:
             if self.lora is not None:
                 decodes, prefills, lora_batch = self._lora_layout(decodes, prefills)
             input_ids, positions, meta = self._flat_inputs(decodes, prefills, drafts)
+            positions = self._rope_positions(decodes + prefills, positions)
             image_rows, image_embeds = self._image_embeddings(decodes + prefills)
             # Only a request whose step reaches its last known token samples the next one; one with
             # speculative drafts also gets a row for each of them, to verify it.
@@ -268,6 +269,22 @@ class ModelRunner:
                 self.encoder_cache.pop(image.hash, None)
         return rows.to(self.device), embeds
 
+    def _rope_positions(self, scheduled: list[tuple[Request, int]], positions: torch.Tensor) -> torch.Tensor:
+        """The positions RoPE turns by: the sequence positions, but where the model places its images'
+        tokens itself (M-RoPE, `vision.rope_positions`) and a request has images, [3, T]; one row
+        again when the three agree (decodes, text after the images), so those steps run as text does."""
+        rope_positions = getattr(self.args.vision, "rope_positions", None)
+        if rope_positions is None or not any(request.images for request, _ in scheduled):
+            return positions
+        sequence = positions.cpu()
+        rows = sequence.expand(3, -1).clone()
+        offset = 0
+        for request, n in scheduled:
+            if request.images:
+                rows[:, offset:offset + n] = rope_positions(sequence[offset:offset + n], request.images)
+            offset += n
+        return (rows[0] if bool((rows == rows[0]).all()) else rows).to(self.device)
+
     def _lora_layout(self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]):
         """Load the step's adapters into slots and order the decodes, then the prefills, by slot,
         so that each adapter's tokens form one run (a segment) in each: (decodes, prefills, LoRABatch)."""
@@ -289,7 +306,7 @@ class ModelRunner:
                 self.lora.context.batch = plan.lora
             hidden = residual = None
             if not parallel.is_first_stage:  # the previous stage's output for this micro-batch
-                shape = (len(plan.positions), self.args.hidden_size)
+                shape = (len(plan.input_ids), self.args.hidden_size)
                 hidden = torch.empty(shape, dtype=self.dtype, device=self.device)
                 residual = torch.empty(shape, dtype=self.dtype, device=self.device)
                 dist.recv(hidden, parallel.stage_rank(parallel.stage - 1))
