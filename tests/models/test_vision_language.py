@@ -84,20 +84,30 @@ def test_the_prefix_cache_keys_blocks_by_their_images(llava, reference):
     assert tokens([other]) == [hf_greedy(llava[1], llava[2], text, [other_image])]
 
 
+def chosen_logprobs(completion) -> list[float]:
+    return [position[token].logprob for position, token in zip(completion.logprobs, completion.token_ids)]
+
+
 def test_chat_takes_image_url_parts(llava):
     """LLM.chat with two PNG data URLs gives what transformers gives for llava-1.5's template prompt and
-    the images; a conversation without images stays a plain chat beside it."""
+    the images, and LLM.generate's logprobs (which the images' order moves); a conversation without images
+    stays a plain chat beside it."""
     _, model, processor = llava
     llm = LLM(llava[0], dtype="float32", kv_cache_memory_bytes=64 << 20)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     images = PROMPTS[1][1]
     content = [{"type": "image_url", "image_url": {"url": data_url(picture)}} for picture in images]
     content.append({"type": "text", "text": "Which is brighter?"})
     text_only = [{"role": "user", "content": "no image here"}]
-    with_images, without = llm.chat([[{"role": "user", "content": content}], text_only], GREEDY)
+    with_images, without = llm.chat([[{"role": "user", "content": content}], text_only], params)
     prompt = processor.apply_chat_template([{"role": "user", "content": [
         {"type": "image"}, {"type": "image"}, {"type": "text", "text": "Which is brighter?"}]}], add_generation_prompt=True)
     assert with_images.prompt == prompt
     assert tokens([with_images]) == [hf_greedy(model, processor, prompt, images)]
+    direct, swapped = [llm.generate({"prompt": prompt, "multi_modal_data": {"image": order}}, params)[0].outputs[0]
+                       for order in (images, images[::-1])]
+    assert chosen_logprobs(with_images.outputs[0]) == pytest.approx(chosen_logprobs(direct), abs=1e-5)
+    assert chosen_logprobs(swapped) != pytest.approx(chosen_logprobs(direct), abs=1e-5)
     assert without.prompt == processor.apply_chat_template(text_only, add_generation_prompt=True)
 
 
