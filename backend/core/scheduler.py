@@ -8,7 +8,9 @@ allow. When blocks run out a victim is preempted (by priority, then recency): by
 blocks are freed and it starts over) or by swap (its blocks are copied to CPU swap space and back
 on resume). A waiting request that does not fit may be passed over a bounded number of times so it
 cannot stall smaller requests behind it forever; one whose grammar is still compiling waits
-without being counted as passed over. The scheduler never touches tensors: the plan it returns says
+without being counted as passed over. For a model whose image placeholders attend to each other
+(Gemma 3: `keep_images_whole`), a prefill chunk never ends inside an image's placeholders, so each
+image is computed in one chunk. The scheduler never touches tensors: the plan it returns says
 what to compute and which blocks to copy. After the step, `update_from_output` takes the plan and
 the model runner's output (core/step.py): it appends the sampled tokens up to the first that stops
 the request (stop token, max_tokens, the model's length; stop strings need text and are the output
@@ -33,8 +35,10 @@ class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, preemption_mode: str = "recompute",
                  scheduling_policy: str = "fcfs", max_loras: int | None = None,
-                 eos_token_ids: set[int] | frozenset[int] = frozenset(), max_model_len: int | None = None) -> None:
+                 eos_token_ids: set[int] | frozenset[int] = frozenset(), max_model_len: int | None = None,
+                 keep_images_whole: bool = False) -> None:
         self.kv_cache = kv_cache
+        self.keep_images_whole = keep_images_whole  # a chunk never ends inside an image's placeholders
         self.eos_token_ids = eos_token_ids  # what ends a request that does not ignore EOS
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -98,6 +102,10 @@ class Scheduler:
             if num_new > budget and not self.enable_chunked_prefill:
                 continue
             num_new = min(num_new, budget)
+            if self.keep_images_whole:
+                num_new = self._end_outside_images(request, request.num_computed_tokens, num_new)
+                if not num_new:
+                    continue  # the next image's placeholders need more budget than is left
             self.kv_cache.free_behind_window(request)  # a sliding window on every layer: blocks it left
             while not self.kv_cache.allocate_slots(request, num_new + len(verify)):
                 if verify:  # no blocks for the drafts: decode without them before preempting anyone
@@ -131,6 +139,10 @@ class Scheduler:
                        - len(cached_blocks) * self.kv_cache.block_size)
             fits_budget = num_new <= budget or self.enable_chunked_prefill
             num_new = min(num_new, budget)
+            if self.keep_images_whole:
+                first = request.num_computed_tokens + len(cached_blocks) * self.kv_cache.block_size
+                num_new = self._end_outside_images(request, first, num_new)
+                fits_budget = fits_budget and num_new > 0
             if not (fits_budget and self._adapter_fits(request)
                     and self.kv_cache.allocate_slots(request, num_new, cached_blocks)):
                 if request.num_skips < MAX_HEAD_OF_LINE_SKIPS:
@@ -150,6 +162,16 @@ class Scheduler:
             budget -= num_new
         out.scheduled = list(scheduled.items())
         return out
+
+    @staticmethod
+    def _end_outside_images(request: Request, start: int, num_new: int) -> int:
+        """num_new, shortened so that the chunk from `start` ends before an image whose placeholders it
+        would cut (0 when the chunk starts inside that image)."""
+        end = start + num_new
+        for image in request.images:
+            if image.offset < end < image.offset + image.length:
+                end = image.offset
+        return max(0, end - start)
 
     def _adapter_fits(self, request: Request) -> bool:
         """Whether running the request keeps the adapters among the running within max_loras."""

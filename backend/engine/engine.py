@@ -84,7 +84,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, max_batched,
                                    config.enable_chunked_prefill, config.preemption_mode,
                                    config.scheduling_policy, config.max_loras if config.enable_lora else None,
-                                   self.eos_token_ids, self.max_model_len)
+                                   self.eos_token_ids, self.max_model_len,
+                                   keep_images_whole=getattr(self.runner.args.vision, "bidirectional_images", False))
         self.metrics = EngineMetrics(config.enable_lora, self.max_model_len)
         self.spec = None if config.speculative_config is None else SpeculativeDecoder(
             config, self.runner, self.kv_cache, self.metrics, self.max_model_len)
@@ -176,6 +177,11 @@ class LLMEngine:
             if len(prompt_ids) > keep:  # the prompt's last `keep` tokens, as vLLM keeps
                 prompt_ids = prompt_ids[-keep:]
                 prompt_text = None if prompt_text is None else self.tokenizer.decode(prompt_ids)
+        if images and self.scheduler.keep_images_whole and self.config.enable_chunked_prefill:
+            longest = max(image.length for image in images)
+            check(longest <= self.limits.max_num_batched_tokens, "multi_modal_data",
+                  f"an image takes {longest} tokens, which this model computes in one step; "
+                  f"max_num_batched_tokens is {self.limits.max_num_batched_tokens}")
         if params.bad_words:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         num_prompt = len(prompt_ids)

@@ -86,6 +86,8 @@ class ModelRunner:
         # Image features by image hash, from the step that first needs them until the step that
         # computes the last of their placeholders: a step never encodes an image twice.
         self.encoder_cache: dict[str, torch.Tensor] = {}
+        # Gemma 3: the placeholders of one image attend to each other (the attention op is told where).
+        self.bidirectional_images = bool(getattr(self.args.vision, "bidirectional_images", False))
         self._allocate_kv_cache()
         self.cuda_graphs = self._capture_cuda_graphs()
         logger.info("model %s on %s in %s; KV cache %d blocks of %d tokens", model_path,
@@ -418,8 +420,9 @@ class ModelRunner:
         prefill_tables = block_tables[len(decodes):]
         spans, query_starts = [], [0]
         offset = len(decodes)
-        for i, ((_, n), context_len) in enumerate(zip(prefills, prefill_lens)):
-            spans.append(PrefillSpan(offset, n, context_len, prefill_tables[i, :-(-context_len // block_size)]))
+        for i, ((request, n), context_len) in enumerate(zip(prefills, prefill_lens)):
+            spans.append(PrefillSpan(offset, n, context_len, prefill_tables[i, :-(-context_len // block_size)],
+                                     self._image_ranges(request, context_len - n, context_len)))
             offset += n
             query_starts.append(query_starts[-1] + n)
         position_ids = positions.to(self.device)
@@ -438,6 +441,15 @@ class ModelRunner:
             token_context_lens=(position_ids + 1).to(torch.int32),  # each token attends up to itself
         )
         return torch.tensor(input_ids, device=self.device), position_ids, meta
+
+    def _image_ranges(self, request: Request, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """The position ranges of the images whose placeholders a prefill chunk [start, end) holds, for a
+        model whose image placeholders see each other; () otherwise."""
+        if not self.bidirectional_images:
+            return ()
+        return tuple((image.offset, image.offset + image.length) for image in request.images
+                     if image.overlap(start, end) is not None)
+
 
 def micro_batches(scheduled: list[tuple[Request, int]], count: int) -> list[list[tuple[Request, int]]]:
     """The step's requests in up to `count` groups of about equal tokens (one per pipeline stage,
