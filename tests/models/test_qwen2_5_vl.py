@@ -1,0 +1,103 @@
+"""Qwen2.5-VL, greedy float32 against transformers on a tiny random-weight model (tests/utils/qwen_vl.py): images
+at their own resolution (different sizes, so different grids and placeholder counts), one and two per prompt,
+interleaved with text, batched with a text-only prompt, with an image's placeholders split across prefill
+chunks, under preemption and through the prefix cache; and the M-RoPE positions against transformers'
+`get_rope_index`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend import LLM, SamplingParams
+from tests.utils.qwen_vl import IMAGE, tiny_qwen2_5_vl
+from tests.utils.vision import image
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+TEXT_ONLY = "No image here, only text:"
+# 40 x 48 pixels: 5 x 6 placeholders (windows of 2 x 2 cut at the edges); 64 x 32: 8 x 4; 24 x 40: 3 x 5.
+PROMPTS = [(IMAGE + "What is in it?", [image(0, 40, 48)]),
+           ("Compare " + IMAGE + " with " + IMAGE + ": which is brighter?", [image(1, 64, 32), image(2, 24, 40)])]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory, model_path):
+    """(path, HF model, processor)."""
+    return tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny_qwen2_5_vl"), model_path)
+
+
+def hf_greedy(model, processor, text: str, images: list | None) -> list[int]:
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(qwen):
+    _, model, processor = qwen
+    return [hf_greedy(model, processor, text, images) for text, images in PROMPTS]
+
+
+def requests(prompts=PROMPTS):
+    return [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_m_rope_positions_are_transformers(qwen):
+    """Each prompt token's (temporal, height, width) position and the decode shift, as `get_rope_index`."""
+    path, model, processor = qwen
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=16 << 20)
+    vision = llm.llm_engine.runner.args.vision
+    for text, images in PROMPTS:
+        inputs = processor(text=text, images=images, return_tensors="pt")
+        expected, delta = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                     inputs["image_grid_thw"])
+        prompt_ids, image_inputs = llm.llm_engine.image_processor(text, {"image": images})
+        length = len(prompt_ids)
+        positions = vision.rope_positions(torch.arange(length + 3), image_inputs)
+        assert positions[:, :length].tolist() == expected[:, 0].tolist()
+        decode = torch.arange(length, length + 3) + delta.item()  # after the prompt: shifted as its end
+        assert positions[:, length:].tolist() == [decode.tolist()] * 3
+
+
+def test_qwen2_5_vl_matches_transformers_batched_with_text(qwen, reference):
+    path, model, processor = qwen
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=64 << 20)
+    outputs = llm.generate(requests() + [TEXT_ONLY], GREEDY)
+    assert tokens(outputs)[:2] == reference
+    assert tokens(outputs)[2] == hf_greedy(model, processor, TEXT_ONLY, None)  # equal parts: plain RoPE
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"max_num_batched_tokens": 8, "enable_chunked_prefill": True},  # each image's placeholders over 2-5 chunks
+    {"kv_cache_memory_bytes": 8 * (2 * 2 * 16 * 2 * 16 * 4), "block_size": 16},  # 8 blocks: preemption
+], ids=["chunked", "preempted"])
+def test_qwen2_5_vl_stays_exact_when_images_are_split_or_preempted(qwen, reference, engine_args):
+    llm = LLM(qwen[0], dtype="float32", **{"kv_cache_memory_bytes": 64 << 20, **engine_args})
+    outputs = llm.generate(requests() * 3, GREEDY)
+    assert tokens(outputs) == reference * 3
+    engine = llm.llm_engine
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert not engine.runner.encoder_cache
+    if "block_size" in engine_args:
+        assert {m.name: m.value for m in llm.get_metrics()}["vllm:num_preemptions"] > 0
+
+
+def test_the_prefix_cache_keys_qwen_blocks_by_their_images(qwen, reference):
+    path, model, processor = qwen
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=64 << 20, block_size=4)
+    text, images = PROMPTS[1]
+    first = llm.generate(requests([(text, images)]), GREEDY)[0]
+    again = llm.generate(requests([(text, images)]), GREEDY)[0]
+    other_images = [images[0], image(7, 24, 40)]  # the second image differs, at the same size
+    other = llm.generate(requests([(text, other_images)]), GREEDY)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 40  # both images' blocks too
+    assert tokens([first, again]) == [reference[1]] * 2
+    first_image, second_image = llm.llm_engine.image_processor(text, {"image": images})[1]
+    assert first_image.offset + first_image.length <= other.num_cached_tokens <= second_image.offset
+    assert tokens([other]) == [hf_greedy(model, processor, text, other_images)]
