@@ -107,3 +107,39 @@ def tiny_llava_next(path, tokenizer_source: str):
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return str(path), model, processor
+
+
+def tiny_gemma3(path, tokenizer_source: str):
+    """A tiny Gemma 3 with images in `path` over `tokenizer_source`'s tokenizer (plus Gemma 3's image
+    tokens): a SigLIP tower of 2 layers on 32 x 32 images in 4 x 4 patches, pooled to 16 features
+    each, a decoder of sliding layers with a window of 8 (shorter than an image's placeholders)
+    around one global layer, both soft caps on; its processor (no pan-and-scan) beside it. Every weight
+    perturbed; the reference runs eager attention (which applies the soft caps). (path, HF model, processor)."""
+    from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil,
+                              Gemma3Processor, Gemma3TextConfig, SiglipVisionConfig)
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+                                tokenizer=tokenizer, image_seq_length=16)
+    config = Gemma3Config(
+        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, image_size=32, patch_size=4, vision_use_head=False),
+        text_config=Gemma3TextConfig(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24, attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
+        mm_tokens_per_image=16, image_token_index=tokenizer.image_token_id,
+        boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration._from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * (0.3 if param.dim() == 1 else 0.02))
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.3)  # zero at init: images would barely show
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path), model, processor

@@ -1,0 +1,100 @@
+"""Gemma 3 with images, greedy float32 against transformers on a tiny random-weight model built from its
+own config classes and processor (every weight perturbed, both soft caps on, a sliding window shorter
+than an image's placeholders): one and two images per prompt interleaved with text, batched with a
+text-only prompt, under preemption, with prefill chunks that must not cut an image (its placeholders
+attend to each other), and through the prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend import LLM, SamplingParams
+from backend.errors import EngineError
+from tests.utils.vision import image, tiny_gemma3
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# The tiny model's KV-cache block in float32: 3 layers, keys and values, blocks of 16, 2 KV heads of 16.
+BLOCK_BYTES = 3 * 2 * 16 * 2 * 16 * 4
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory, model_path):
+    """The tiny Gemma 3 of tests/utils/vision.py: (path, HF model, processor)."""
+    return tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3"), model_path)
+
+
+PROMPTS = [("Look: <start_of_image> What is in it?", [image(0, 40, 48)]),
+           ("First <start_of_image> then <start_of_image>, which is brighter?", [image(1, 64, 32), image(2, 32, 32)])]
+TEXT_ONLY = "No image here, just a question about the weather."
+
+
+def hf_greedy(model, processor, text: str, images: list | None) -> list[int]:
+    """transformers' greedy tokens; its processor's token_type_ids give the bidirectional image mask."""
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(gemma3):
+    _, model, processor = gemma3
+    return [hf_greedy(model, processor, text, images) for text, images in PROMPTS]
+
+
+def requests(prompts=PROMPTS):
+    return [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_gemma3_matches_transformers_batched_with_text(gemma3, reference):
+    llm = LLM(gemma3[0], dtype="float32", kv_cache_memory_bytes=16 << 20)
+    outputs = llm.generate(requests() + [TEXT_ONLY], GREEDY)
+    assert tokens(outputs)[:2] == reference
+    assert tokens(outputs)[2] == hf_greedy(gemma3[1], gemma3[2], TEXT_ONLY, None)
+
+
+@pytest.mark.parametrize("engine_args", [
+    # 16 placeholders an image, 20 tokens a step: chunks end before an image the budget cannot finish
+    {"max_num_batched_tokens": 20, "enable_chunked_prefill": True},
+    {"kv_cache_memory_bytes": 8 * BLOCK_BYTES, "block_size": 16},  # 8 blocks: preemption
+], ids=["chunked", "preempted"])
+def test_gemma3_stays_exact_when_chunked_or_preempted(gemma3, reference, engine_args):
+    llm = LLM(gemma3[0], dtype="float32", **{"kv_cache_memory_bytes": 16 << 20, **engine_args})
+    outputs = llm.generate(requests() * 3 + [TEXT_ONLY], GREEDY)
+    assert tokens(outputs)[:6] == reference * 3
+    assert tokens(outputs)[6] == hf_greedy(gemma3[1], gemma3[2], TEXT_ONLY, None)
+    engine = llm.llm_engine
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert not engine.runner.encoder_cache
+    if "block_size" in engine_args:
+        assert {m.name: m.value for m in llm.get_metrics()}["vllm:num_preemptions"] > 0
+
+
+def test_gemma3_prefix_cache_hit_is_exact(gemma3, reference):
+    llm = LLM(gemma3[0], dtype="float32", kv_cache_memory_bytes=16 << 20, block_size=4)
+    text, images = PROMPTS[1]
+    first = llm.generate(requests([(text, images)]), GREEDY)[0]
+    again = llm.generate(requests([(text, images)]), GREEDY)[0]
+    ids = gemma3[2](text=text, images=images)["input_ids"][0]
+    last_placeholder = len(ids) - 1 - list(ids)[::-1].index(gemma3[1].config.image_token_id)
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > last_placeholder  # both images' blocks
+    assert tokens([first, again]) == [reference[1]] * 2
+    swapped = [images[1], images[0]]
+    other = llm.generate(requests([(text, swapped)]), GREEDY)[0]
+    assert other.num_cached_tokens <= list(ids).index(gemma3[1].config.image_token_id)  # only the text before
+    assert tokens([other]) == [hf_greedy(gemma3[1], gemma3[2], text, swapped)]
+
+
+def test_an_image_longer_than_a_step_is_refused(gemma3):
+    llm = LLM(gemma3[0], dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=8,
+              enable_chunked_prefill=True)
+    with pytest.raises(EngineError, match="an image takes 16 tokens") as error:
+        llm.generate(requests(PROMPTS[:1]), GREEDY)
+    assert error.value.param == "multi_modal_data"
+    assert not llm.llm_engine.has_unfinished_requests()
