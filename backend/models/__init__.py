@@ -12,14 +12,15 @@ from collections.abc import Callable
 from typing import Any
 
 from backend.errors import EngineError
-from backend.models import (deepseek, gemma, gpt_oss, llama, llava, llava_next, mixtral, olmo2, phi3, qwen2_5_vl,
-                            qwen_moe)
+from backend.models import (deepseek, gemma, gemma3_vision, gpt_oss, llama, llava, llava_next, mixtral, olmo2, phi3,
+                            qwen2_5_vl, qwen_moe)
 from backend.models.decoder import CausalLM, ModelArgs, check_parallel
 
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelArgs]] = {
     **llama.ARCHITECTURES, **gemma.ARCHITECTURES, **phi3.ARCHITECTURES, **olmo2.ARCHITECTURES,
     **mixtral.ARCHITECTURES, **qwen_moe.ARCHITECTURES, **deepseek.ARCHITECTURES,
-    **gpt_oss.ARCHITECTURES, **llava.ARCHITECTURES, **llava_next.ARCHITECTURES, **qwen2_5_vl.ARCHITECTURES}
+    **gpt_oss.ARCHITECTURES, **llava.ARCHITECTURES, **llava_next.ARCHITECTURES, **qwen2_5_vl.ARCHITECTURES,
+    **gemma3_vision.ARCHITECTURES}
 
 __all__ = ["ARCHITECTURES", "CausalLM", "ModelArgs", "architecture", "build_model", "check_parallel", "model_args"]
 
