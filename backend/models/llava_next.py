@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from backend.layers.vision import CLIPVisionTower, Projector
 from backend.models.decoder import ModelArgs
-from backend.models.llava import LlavaEncoder, LlavaVision, llava
+from backend.models.llava import LlavaVision, llava
 from backend.models.llava import checkpoint_tensors as llava_checkpoint_tensors
 
 # transformers' default, llava-v1.6's: (height, width) in pixels, multiples of the tower's image size
@@ -80,18 +81,21 @@ class LlavaNextVision(LlavaVision):
         return LlavaNextEncoder(self)
 
 
-class LlavaNextEncoder(LlavaEncoder):
+class LlavaNextEncoder(nn.Module):
     """Images of one tile count [N, tiles, 3, H, W] and their sizes [N, 2] -> each image's features
     in the decoder's width: [its placeholder count, hidden] (a list: counts differ with the size)."""
 
     def __init__(self, spec: LlavaNextVision) -> None:
-        super().__init__(spec)
+        super().__init__()
         self.spec = spec
+        self.tower = CLIPVisionTower(spec.tower)
+        self.projector = Projector(spec.tower.hidden_size, spec.text_hidden_size, spec.projector_act,
+                                   spec.projector_bias)
         self.image_newline = nn.Parameter(torch.empty(spec.text_hidden_size))
 
-    def forward(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor) -> list[torch.Tensor]:  # type: ignore[override]
+    def forward(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor) -> list[torch.Tensor]:
         num_images, num_tiles = pixel_values.shape[:2]
-        features = super().forward(pixel_values.flatten(0, 1))
+        features = self.projector(self.tower(pixel_values.flatten(0, 1)))
         features = features.view(num_images, num_tiles, *features.shape[1:])
         return [self.pack(tiles, *size) for tiles, size in zip(features, image_sizes.tolist())]
 
@@ -121,6 +125,8 @@ def llava_next(config: dict[str, Any]) -> ModelArgs:
     size = args.vision.tower.image_size
     if any(len(p) != 2 or p[0] % size or p[1] % size for p in pinpoints):
         raise ValueError(f"image_grid_pinpoints {pinpoints}: each must be (height, width), multiples of {size}")
+    if not args.vision.tower.drop_class_token:  # transformers' tile layout has no room for a class token
+        raise ValueError("LLaVA-NeXT with vision_feature_select_strategy 'full' is not supported")
     args.vision = LlavaNextVision(**vars(args.vision), grid_pinpoints=pinpoints)
     args.checkpoint_names = checkpoint_tensors
     return args
