@@ -157,19 +157,37 @@ def test_best_of_returns_the_n_most_likely(serve, model_name):
     assert data["choices"][0]["text"] == everything["choices"][int(np.argmax(scores))]["text"]
 
 
-def test_token_id_embeddings_match_text(serve):
-    from transformers import AutoTokenizer
+def test_token_id_embeddings_are_taken_as_given(serve):
+    """A client sending `tokenizer(text).input_ids` ([CLS] ... [SEP] included) gets the text's vector
+    and count, which sentence-transformers gives too; ids without them are encoded as they are, as
+    vLLM encodes a token prompt; ids past the model's 256 are refused, never cut."""
+    from sentence_transformers import SentenceTransformer
+
     from tools.prepare_embeddings import prepare_embeddings
-    tokenizer = AutoTokenizer.from_pretrained(prepare_embeddings())
+    model = SentenceTransformer(str(prepare_embeddings()), device="cpu")
     texts = ["the cat sat on the mat", "a quick brown fox"]
-    ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    ids = [model.tokenizer(t).input_ids for t in texts]
+    assert all(row[0] == model.tokenizer.cls_token_id and row[-1] == model.tokenizer.sep_token_id for row in ids)
     by_text = post(serve, "embeddings", {"model": EMBEDDINGS, "input": texts}).json()
     by_ids = post(serve, "embeddings", {"model": EMBEDDINGS, "input": ids}).json()
     one = post(serve, "embeddings", {"model": EMBEDDINGS, "input": ids[0]}).json()
-    assert by_ids["usage"] == by_text["usage"]
-    for a, b in zip(by_text["data"], by_ids["data"]):
-        np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)
+    reference = model.encode(texts)
+    assert by_ids["usage"] == by_text["usage"] == {"prompt_tokens": sum(map(len, ids)),
+                                                   "total_tokens": sum(map(len, ids))}
+    for a, b, expected in zip(by_text["data"], by_ids["data"], reference):
+        np.testing.assert_allclose(b["embedding"], a["embedding"], atol=1e-5)
+        np.testing.assert_allclose(b["embedding"], expected, atol=1e-5)
     np.testing.assert_allclose(one["data"][0]["embedding"], by_text["data"][0]["embedding"], atol=1e-5)
+
+    bare = [row[1:-1] for row in ids]
+    by_bare = post(serve, "embeddings", {"model": EMBEDDINGS, "input": bare}).json()
+    assert by_bare["usage"]["prompt_tokens"] == sum(map(len, bare))
+    for a, b in zip(by_text["data"], by_bare["data"]):
+        assert np.abs(np.array(a["embedding"]) - b["embedding"]).max() > 1e-3  # no [CLS]/[SEP] added
+
+    too_long = post(serve, "embeddings", {"model": EMBEDDINGS, "input": [[101] + [1037] * 255 + [102]]})
+    assert error_of(too_long)[:2] == (400, "input"), too_long.text
+    assert "257 ids, more than this model's 256" in error_of(too_long)[2]
 
 
 def test_forged_system_turn_reaches_the_model_as_text(serve, model_name, model_path):

@@ -3,8 +3,9 @@
 It computes what sentence-transformers computes for all-MiniLM-L6-v2 (Transformer -> mean pooling
 over the attention mask -> Normalize), with plain transformers and torch, and never touches the
 Hugging Face hub. Triton's dynamic batcher hands several requests to `execute` at once; their texts
-(or token-id lists, `input_ids` padded with -1) go through the model ENCODE_BATCH at a time, and a
-request cancelled meanwhile (its client left) is dropped between batches.
+(or token-id lists, `input_ids` padded with -1, taken as given like vLLM's token prompts) go through
+the model ENCODE_BATCH at a time, and a request cancelled meanwhile (its client left) is dropped
+between batches.
 """
 
 from __future__ import annotations
@@ -56,13 +57,13 @@ class SentenceEncoder:
 
     @torch.inference_mode()
     def encode(self, items: list[str | list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """Texts, or token ids of this tokenizer (wrapped in [CLS] ... [SEP] as a text's are)."""
+        """Texts (truncated, as sentence-transformers does), or token ids of this tokenizer, taken as
+        given: a client sending `tokenizer(text).input_ids` already holds [CLS] ... [SEP], and ids
+        without them are encoded without them, as vLLM encodes a token prompt."""
         texts = [item for item in items if isinstance(item, str)]
         tokenized = iter(self.tokenizer(texts, truncation=True, max_length=self.max_seq_length).input_ids
                          if texts else [])
-        ids = [next(tokenized) if isinstance(item, str) else
-               [self.tokenizer.cls_token_id, *item[:self.max_seq_length - 2], self.tokenizer.sep_token_id]
-               for item in items]
+        ids = [next(tokenized) if isinstance(item, str) else item for item in items]
         batch = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(self.device)
         hidden = self.model(**batch).last_hidden_state
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
@@ -129,6 +130,10 @@ class TritonPythonModel:
         rows = [[int(t) for t in row if t >= 0] for row in input_ids.as_numpy()]
         if not all(rows) or not all(t < vocab_size for row in rows for t in row):
             raise ValueError(f"input: token ids must be in [0, {vocab_size}) and a list must not be empty")
+        longest = max(len(row) for row in rows)
+        if longest > self.encoder.max_seq_length:  # ids are taken as given, so never cut
+            raise ValueError(f"input: a token-id list holds {longest} ids, more than this model's "
+                             f"{self.encoder.max_seq_length}")
         return rows
 
     def finalize(self) -> None:
