@@ -142,8 +142,9 @@ class PromptBuilder:
     @functools.cached_property
     def image_token(self) -> str | None:
         """The placeholder the model's processor expands into an image's tokens (config.json's
-        image_token_index); None: the model takes no images."""
-        token_id = self.config.get("image_token_index", self.config.get("image_token_id"))
+        image_token_index; Gemma 3's is its begin-of-image token, boi_token_index, which its processor
+        expands into the image's soft tokens); None: the model takes no images."""
+        token_id = self.config.get("boi_token_index", self.config.get("image_token_index", self.config.get("image_token_id")))
         return None if token_id is None else self.tokenizer.convert_ids_to_tokens(token_id)
 
     @functools.cached_property

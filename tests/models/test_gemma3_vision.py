@@ -11,7 +11,7 @@ import torch
 
 from backend import LLM, SamplingParams
 from backend.errors import EngineError
-from tests.utils.vision import image, tiny_gemma3
+from tests.utils.vision import data_url, image, tiny_gemma3
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -89,6 +89,27 @@ def test_gemma3_prefix_cache_hit_is_exact(gemma3, reference):
     other = llm.generate(requests([(text, swapped)]), GREEDY)[0]
     assert other.num_cached_tokens <= list(ids).index(gemma3[1].config.image_token_id)  # only the text before
     assert tokens([other]) == [hf_greedy(gemma3[1], gemma3[2], text, swapped)]
+
+
+def test_chat_and_the_openai_prompt_write_the_begin_of_image_token(gemma3):
+    """LLM.chat's image_url parts and the OpenAI frontend's prompt for image parts both write Gemma 3's
+    <start_of_image> (which its processor expands into the image's soft tokens), not the soft token
+    config.json's image_token_index names: transformers' tokens for the template's prompt."""
+    from openai_frontend.prompts import PromptBuilder
+
+    _, model, processor = gemma3
+    images = PROMPTS[1][1]
+    question = {"type": "text", "text": "Which is brighter?"}
+    content = [{"type": "image_url", "image_url": {"url": data_url(picture)}} for picture in images] + [question]
+    llm = LLM(gemma3[0], dtype="float32", kv_cache_memory_bytes=16 << 20)
+    [output] = llm.chat([{"role": "user", "content": content}], GREEDY)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, question]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    assert output.prompt == prompt
+    assert tokens([output]) == [hf_greedy(model, processor, prompt, images)]
+    builder = PromptBuilder(gemma3[0])
+    assert (builder.image_token, builder.template_takes_image_parts) == ("<start_of_image>", True)
+    assert builder.render_chat(messages, True, False)[0] == prompt
 
 
 def test_an_image_longer_than_a_step_is_refused(gemma3):

@@ -16,6 +16,14 @@ LLAVA_CHAT_TEMPLATE = (
     "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
     "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
 
+# Gemma 3's chat template as it writes images and text (its system-prompt handling left out).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ 'model' if message['role'] == 'assistant' "
+    "else message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
 
 def image(seed: int, height: int, width: int):
     """Random RGB pixels as a PIL image."""
@@ -113,7 +121,7 @@ def tiny_gemma3(path, tokenizer_source: str):
     """A tiny Gemma 3 with images in `path` over `tokenizer_source`'s tokenizer (plus Gemma 3's image
     tokens): a SigLIP tower of 2 layers on 32 x 32 images in 4 x 4 patches, pooled to 16 features
     each, a decoder of sliding layers with a window of 8 (shorter than an image's placeholders)
-    around one global layer, both soft caps on; its processor (no pan-and-scan) beside it. Every weight
+    around one global layer, both soft caps on; its processor (no pan-and-scan) and Gemma 3's chat template beside it. Every weight
     perturbed; the reference runs eager attention (which applies the soft caps). (path, HF model, processor)."""
     from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil,
                               Gemma3Processor, Gemma3TextConfig, SiglipVisionConfig)
@@ -121,7 +129,7 @@ def tiny_gemma3(path, tokenizer_source: str):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, extra_special_tokens={
         "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
     processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
-                                tokenizer=tokenizer, image_seq_length=16)
+                                tokenizer=tokenizer, image_seq_length=16, chat_template=GEMMA3_CHAT_TEMPLATE)
     config = Gemma3Config(
         vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, image_size=32, patch_size=4, vision_use_head=False),
