@@ -2,9 +2,12 @@
 own config classes and processor (every weight perturbed, both soft caps on, a sliding window shorter
 than an image's placeholders): one and two images per prompt interleaved with text, batched with a
 text-only prompt, under preemption, with prefill chunks that must not cut an image (its placeholders
-attend to each other), and through the prefix cache."""
+attend to each other), through the prefix cache, and served (tritonclient's `image` input, the OpenAI
+SDK's image_url parts)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,3 +122,44 @@ def test_an_image_longer_than_a_step_is_refused(gemma3):
         llm.generate(requests(PROMPTS[:1]), GREEDY)
     assert error.value.param == "multi_modal_data"
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_served_through_triton_and_the_openai_sdk(gemma3, tmp_path_factory):
+    """`tritonllm serve`: tritonclient's `image` input (base64 PNGs, one per element) gives LLM.generate's
+    text; the OpenAI SDK's image_url parts give LLM.chat's text and logprobs."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from openai import OpenAI
+
+    from tests.utils.serve import API_KEY, Serve
+    from tests.utils.triton import Stream, make_inputs, texts
+    from tests.utils.vision import base64_png
+
+    llm = LLM(gemma3[0], dtype="float32", kv_cache_memory_bytes=16 << 20)
+    text, images = PROMPTS[1]
+    expected = llm.generate(requests([(text, images)]), GREEDY)[0].outputs[0].text
+    content = [{"type": "image_url", "image_url": {"url": data_url(picture)}} for picture in images]
+    messages = [{"role": "user", "content": [*content, {"type": "text", "text": "Which is brighter?"}]}]
+    expected_chat = llm.chat(messages, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                      logprobs=0))[0].outputs[0]
+    with Serve(gemma3[0], tmp_path_factory.mktemp("serve_gemma3"), kv_cache_bytes=16 << 20,
+               max_model_len=512, start_timeout=300, stop_timeout=60) as served:
+        inputs = make_inputs(text, {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True},
+                             exclude_input_in_output=True)
+        tensor = grpcclient.InferInput("image", [len(images)], "BYTES")
+        tensor.set_data_from_numpy(np.array([base64_png(i) for i in images], dtype=np.object_))
+        stream = Stream(served.grpc_url)
+        try:
+            stream.send(inputs + [tensor])
+            [result] = stream.collect()
+        finally:
+            stream.close()
+        assert texts(result) == [expected]
+        client = OpenAI(base_url=f"{served.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        response = client.chat.completions.create(
+            model=Path(gemma3[0]).name, messages=messages, temperature=0, max_tokens=MAX_TOKENS, logprobs=True,
+            extra_body={"ignore_eos": True})
+    choice = response.choices[0]
+    assert choice.message.content == expected_chat.text
+    logprobs = [position[token].logprob for position, token in zip(expected_chat.logprobs, expected_chat.token_ids)]
+    assert [entry.logprob for entry in choice.logprobs.content] == pytest.approx(logprobs, abs=1e-5)
