@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from backend import ops
 from backend.ops import attention
 from backend.ops.attention import AttentionMetadata, PrefillSpan, cache_views, flash_prefill
 from backend.kernels import reference
@@ -158,12 +159,13 @@ def test_one_part_latent_cache():
     torch.testing.assert_close(actual, expected, **TOLERANCE[torch.float32])
 
 
-@pytest.mark.parametrize("path", ["fused", "torch"])
+@pytest.mark.parametrize("path", ["fused", "torch", "triton"])
 @pytest.mark.parametrize("window", [None, 4])
 def test_bidirectional_ranges_see_their_later_keys(path, window):
     """Gemma 3's images: a query inside a chunk's bidirectional range also sees that range's later keys
     (Hugging Face's (causal or same image) and then the window); a range that started before the
-    chunk (a cached prefix) too. The step's decodes and other chunks keep their causal attention."""
+    chunk (a cached prefix) too. The step's decodes and other chunks keep their causal attention, on
+    the C++ kernel's path, the torch path and the Triton kernels' (here through the interpreter)."""
     torch.manual_seed(5)
     query, key, value, cache, meta = make_step(SEQUENCES, 4, 2, 64, torch.float32)
     ranges = ((16, 24), (26, 29))  # the chunk holds positions 20..29: the first range began before it
@@ -186,5 +188,9 @@ def test_bidirectional_ranges_see_their_later_keys(path, window):
         visible &= k_pos > q_pos - window
     scores = (query[rows].transpose(0, 1) @ keys.transpose(1, 2) * 0.125).masked_fill(~visible, float("-inf"))
     expected[rows] = (scores.softmax(-1) @ values).transpose(0, 1).flatten(1)
-    actual = attention.paged_attention(query, key, value, cache, meta, 0.125, sliding_window=window)
+    if path == "triton":
+        with ops.triton_kernels():
+            actual = ops.paged_attention(query, key, value, cache, meta, 0.125, sliding_window=window)
+    else:
+        actual = attention.paged_attention(query, key, value, cache, meta, 0.125, sliding_window=window)
     torch.testing.assert_close(actual, expected, **TOLERANCE[torch.float32])
