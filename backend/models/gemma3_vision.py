@@ -62,7 +62,8 @@ class Gemma3Projector(nn.Module):
         batch, _, width = features.shape
         grid = features.transpose(1, 2).reshape(batch, width, self.patches_per_side, self.patches_per_side)
         pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)  # [N, tokens, width]
-        normed = self.mm_soft_emb_norm(pooled.reshape(-1, width)).view(pooled.shape)
+        # (rows, width) in row-major order: the norm kernels read each row as one contiguous vector
+        normed = self.mm_soft_emb_norm(pooled.reshape(-1, width).contiguous()).view(pooled.shape)
         return torch.matmul(normed, self.mm_input_projection_weight)
 
 

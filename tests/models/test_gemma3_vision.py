@@ -115,6 +115,21 @@ def test_chat_and_the_openai_prompt_write_the_begin_of_image_token(gemma3):
     assert builder.render_chat(messages, True, False)[0] == prompt
 
 
+def test_the_encoder_runs_on_the_triton_kernels(gemma3):
+    """The projector's norm on the Triton kernels (CUDA's path, through the interpreter here), which take
+    each row as one contiguous vector, gives the torch path's features."""
+    from backend import ops
+
+    llm = LLM(gemma3[0], dtype="float32", kv_cache_memory_bytes=16 << 20)
+    encoder = llm.llm_engine.runner.model.vision
+    pixels = gemma3[2](text=PROMPTS[0][0], images=PROMPTS[0][1], return_tensors="pt")["pixel_values"]  # one image
+    with torch.inference_mode():
+        expected = encoder(pixels)
+        with ops.triton_kernels():
+            actual = encoder(pixels)
+    torch.testing.assert_close(actual, expected)
+
+
 def test_an_image_longer_than_a_step_is_refused(gemma3):
     llm = LLM(gemma3[0], dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=8,
               enable_chunked_prefill=True)

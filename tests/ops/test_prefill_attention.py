@@ -16,6 +16,7 @@ from backend import ops
 from backend.ops import attention
 from backend.ops.attention import AttentionMetadata, PrefillSpan, cache_views, flash_prefill
 from backend.kernels import reference
+from tests.utils.kernels import DEVICE
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 BLOCK_SIZE = 16
@@ -82,6 +83,14 @@ def expected_attention(query, key, value, cache, meta, scale, sinks=None, slidin
                                                              meta.prefill_seq_lens, scale, sinks=sinks,
                                                              sliding_window=sliding_window))
     return torch.cat(parts).flatten(1)
+
+
+def on_device(meta: AttentionMetadata) -> AttentionMetadata:
+    """The metadata's tensors on the kernel tests' device."""
+    moved = {field.name: getattr(meta, field.name) for field in dataclasses.fields(meta)}
+    moved = {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in moved.items()}
+    moved["prefills"] = [dataclasses.replace(span, block_table=span.block_table.to(DEVICE)) for span in meta.prefills]
+    return AttentionMetadata(**moved)
 
 
 @pytest.fixture(autouse=True)
@@ -165,7 +174,7 @@ def test_bidirectional_ranges_see_their_later_keys(path, window):
     """Gemma 3's images: a query inside a chunk's bidirectional range also sees that range's later keys
     (Hugging Face's (causal or same image) and then the window); a range that started before the
     chunk (a cached prefix) too. The step's decodes and other chunks keep their causal attention, on
-    the C++ kernel's path, the torch path and the Triton kernels' (here through the interpreter)."""
+    the C++ kernel's path, the torch path and the Triton kernels' (on CUDA, else through the interpreter)."""
     torch.manual_seed(5)
     query, key, value, cache, meta = make_step(SEQUENCES, 4, 2, 64, torch.float32)
     ranges = ((16, 24), (26, 29))  # the chunk holds positions 20..29: the first range began before it
@@ -188,7 +197,10 @@ def test_bidirectional_ranges_see_their_later_keys(path, window):
         visible &= k_pos > q_pos - window
     scores = (query[rows].transpose(0, 1) @ keys.transpose(1, 2) * 0.125).masked_fill(~visible, float("-inf"))
     expected[rows] = (scores.softmax(-1) @ values).transpose(0, 1).flatten(1)
-    if path == "triton":
+    if path == "triton" and DEVICE.type == "cuda":
+        tensors = [t.to(DEVICE) for t in (query, key, value, cache)]
+        actual = ops.paged_attention(*tensors, on_device(meta), 0.125, sliding_window=window).cpu()
+    elif path == "triton":
         with ops.triton_kernels():
             actual = ops.paged_attention(query, key, value, cache, meta, 0.125, sliding_window=window)
     else:
