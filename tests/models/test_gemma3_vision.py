@@ -130,6 +130,31 @@ def test_the_encoder_runs_on_the_triton_kernels(gemma3):
     torch.testing.assert_close(actual, expected)
 
 
+def test_checkpoint_names_in_transformers_5s_own_layout(gemma3, reference, tmp_path):
+    """save_pretrained writes the hub's names (language_model.model.*, vision_tower.*); the same weights
+    under transformers 5's module names (model.language_model.*, model.vision_tower.vision_model.*,
+    model.multi_modal_projector.*) load to the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    renames = [("language_model.model.", "model.language_model."),
+               ("vision_tower.", "model.vision_tower.vision_model."),
+               ("multi_modal_projector.", "model.multi_modal_projector.")]
+    for file in Path(gemma3[0]).iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, tmp_path / file.name)
+    weights = load_file(Path(gemma3[0]) / "model.safetensors")
+    renamed = {}
+    for name, tensor in weights.items():
+        old, new = next(((old, new) for old, new in renames if name.startswith(old)), ("", ""))
+        renamed[new + name.removeprefix(old)] = tensor
+    assert len(renamed) == len(weights) and all(name.startswith(("model.", "lm_head.")) for name in renamed)
+    save_file(renamed, tmp_path / "model.safetensors")
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes=16 << 20)
+    assert tokens(llm.generate(requests(), GREEDY)) == reference
+
+
 def test_an_image_longer_than_a_step_is_refused(gemma3):
     llm = LLM(gemma3[0], dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=8,
               enable_chunked_prefill=True)
