@@ -94,6 +94,21 @@ def test_gemma3_prefix_cache_hit_is_exact(gemma3, reference):
     assert tokens([other]) == [hf_greedy(gemma3[1], gemma3[2], text, swapped)]
 
 
+def test_a_prefix_cache_hit_may_end_inside_an_image(gemma3):
+    """Two prompts that share an image but differ soon after it: with blocks of 8 the second's hit ends
+    inside the image (the cached placeholders were computed seeing the whole image), and the rest of
+    the image is computed in one chunk that sees the cached part: still transformers' tokens."""
+    _, model, processor = gemma3
+    llm = LLM(gemma3[0], dtype="float32", kv_cache_memory_bytes=16 << 20, block_size=8)
+    text, images = PROMPTS[0]
+    other = "Look: <start_of_image> Why is it so?"
+    llm.generate(requests([(text, images)]), GREEDY)
+    second = llm.generate(requests([(other, images)]), GREEDY)[0]
+    first_placeholder = list(processor(text=other, images=images)["input_ids"][0]).index(model.config.image_token_id)
+    assert first_placeholder < second.num_cached_tokens < first_placeholder + 16
+    assert tokens([second]) == [hf_greedy(model, processor, other, images)]
+
+
 def test_chat_and_the_openai_prompt_write_the_begin_of_image_token(gemma3):
     """LLM.chat's image_url parts and the OpenAI frontend's prompt for image parts both write Gemma 3's
     <start_of_image> (which its processor expands into the image's soft tokens), not the soft token
