@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend.errors import EngineError
 from backend.layers.norm import RMSNorm
 from backend.layers.siglip import SiglipVisionTower, siglip_args
 from backend.layers.vision import VisionArgs
@@ -44,6 +45,18 @@ class Gemma3Vision:
 
     def build(self) -> nn.Module:
         return Gemma3Encoder(self)
+
+    @staticmethod
+    def load_processor(model_path: str) -> Any:
+        """transformers' Gemma 3 processor, refused where it would add pan-and-scan crops (each a
+        further image sequence in the prompt, which the engine does not place)."""
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=False)
+        if getattr(processor.image_processor, "do_pan_and_scan", False):
+            raise EngineError("model", "Gemma 3's pan-and-scan crops are not supported: set do_pan_and_scan "
+                              "to false in the model's processor config")
+        return processor
 
 
 class Gemma3Projector(nn.Module):

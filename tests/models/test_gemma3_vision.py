@@ -179,6 +179,21 @@ def test_an_image_longer_than_a_step_is_refused(gemma3):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_pan_and_scan_is_refused_at_start(gemma3, tmp_path):
+    """A processor that would add pan-and-scan crops (further image sequences per image) is refused
+    when the engine starts, not by a miscounted prompt later."""
+    import shutil
+
+    shutil.copytree(gemma3[0], tmp_path, dirs_exist_ok=True)
+    gemma3[2].image_processor.do_pan_and_scan = True
+    try:
+        gemma3[2].save_pretrained(tmp_path)
+    finally:
+        gemma3[2].image_processor.do_pan_and_scan = False
+    with pytest.raises(EngineError, match="pan-and-scan"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes=16 << 20)
+
+
 def test_served_through_triton_and_the_openai_sdk(gemma3, tmp_path_factory):
     """`tritonllm serve`: tritonclient's `image` input (base64 PNGs, one per element) gives LLM.generate's
     text; the OpenAI SDK's image_url parts give LLM.chat's text and logprobs."""
