@@ -5,7 +5,9 @@
   where its KV blocks are cached, unless that replica is far busier than the least loaded one.
 - Health: every HEALTH_INTERVAL_S a background check asks each replica whether its `llm` model is
   ready and then probes the model's own process (triton.py's `probe`: Triton keeps a model READY
-  after its Python stub died); any UNAVAILABLE from a call marks its replica down at once. A
+  after its Python stub died); any UNAVAILABLE from a call marks its replica down at once. Its
+  `embeddings` model is checked alike but apart: when only that one is down, /v1/embeddings fails
+  fast with a 503 naming it and the LLM's requests carry on. A
   replica that is loaded but does not answer (a dead stub, a frozen Triton) is `broken`: its
   watchdog fails a request there that has waited STALL_S for its next response with a 503 (an SSE
   error event mid-stream) instead of letting it hang. A request that fails on a replica before its first response is tried on
@@ -33,7 +35,8 @@ import numpy as np
 
 from openai_frontend.errors import OpenAIError
 from openai_frontend.media import ImagePrompt
-from openai_frontend.triton import LLM_MODEL, Chunk, ReplicaUnavailable, RequestTimeout, TritonClient
+from openai_frontend.triton import (EMBEDDINGS_MODEL, LLM_MODEL, Chunk, ReplicaUnavailable, RequestTimeout,
+                                    TritonClient)
 
 ROUTING = ("least-outstanding", "prefix", "round-robin")
 HEALTH_INTERVAL_S = 2.0
@@ -62,6 +65,11 @@ class Replica:
     requests: int = 0  # requests ever sent here
     reading: set[Reader] = field(default_factory=set)  # its generations in progress
     watchdog: asyncio.Task | None = None  # while it is broken and has generations in progress
+    embeddings_ready: bool = False  # its embeddings model, as `ready` for the llm model
+    embeddings_broken: str | None = None  # why its loaded embeddings model does not answer; None if it does
+
+    def serves(self, model: str) -> bool:
+        return self.embeddings_ready if model == EMBEDDINGS_MODEL else self.ready
 
 
 class Reader:
@@ -221,14 +229,20 @@ class Replicas:
             await replica.client.close()
         await asyncio.gather(*(self.check(replica) for replica in list(self.replicas.values())))
 
-    async def check(self, replica: Replica) -> bool:
-        """Ready: Triton answers, the model is loaded, and its process answers a probe. Broken: the
-        first or the last does not hold (a model merely not loaded, or unloading, is neither)."""
+    @staticmethod
+    async def model_health(replica: Replica, model: str) -> tuple[bool, str | None]:
+        """(loaded, why it is broken or None). Broken: Triton does not answer, or the model is loaded
+        and its process does not answer a probe (a model merely not loaded, or unloading, is not)."""
         try:
-            loaded = await replica.client.model_ready(LLM_MODEL)
-            broken = await replica.client.probe(LLM_MODEL) if loaded else None
+            loaded = await replica.client.model_ready(model)
+            return loaded, (await replica.client.probe(model) if loaded else None)
         except OpenAIError as error:
-            loaded, broken = False, error.message
+            return False, error.message
+
+    async def check(self, replica: Replica) -> bool:
+        """Ready: Triton answers, the llm model is loaded, and its process answers a probe; the
+        embeddings model likewise, apart (asked only when Triton answered)."""
+        loaded, broken = await self.model_health(replica, LLM_MODEL)
         ready = loaded and broken is None
         if ready != replica.ready or broken != replica.broken:
             logger.log(logging.INFO if ready else logging.WARNING, "replica %s is %s", replica.url,
@@ -236,6 +250,17 @@ class Replicas:
         replica.ready, replica.broken = ready, broken
         if broken is not None and replica.reading and replica.watchdog is None:
             replica.watchdog = asyncio.create_task(self.fail_stalled(replica))
+        unreachable = broken is not None and not loaded
+        if unreachable:  # its embeddings model is down with it, if it had one
+            had_embeddings = replica.embeddings_ready or replica.embeddings_broken is not None
+            embeddings_loaded, embeddings_broken = False, broken if had_embeddings else None
+        else:
+            embeddings_loaded, embeddings_broken = await self.model_health(replica, EMBEDDINGS_MODEL)
+        if embeddings_broken != replica.embeddings_broken and not unreachable:
+            logger.log(logging.WARNING if embeddings_broken else logging.INFO, "replica %s: the `%s` model %s",
+                       replica.url, EMBEDDINGS_MODEL, f"is down: {embeddings_broken}" if embeddings_broken else "answers")
+        replica.embeddings_ready = embeddings_loaded and embeddings_broken is None
+        replica.embeddings_broken = embeddings_broken
         return ready
 
     @staticmethod
@@ -259,11 +284,22 @@ class Replicas:
     def mark_down(self, replica: Replica, error: OpenAIError) -> None:
         if replica.ready:
             logger.warning("replica %s marked down: %s", replica.url, error.message)
-        replica.ready = False
+        replica.ready = replica.embeddings_ready = False
+
+    def embeddings_down(self) -> str | None:
+        """Why no replica can serve the embeddings model, when it is loaded somewhere and broken
+        wherever it is not ready; None otherwise (not loaded anywhere counts as not served, not as
+        down). From the last check, so asking costs Triton nothing."""
+        replicas = list(self.replicas.values())
+        broken = [replica.embeddings_broken for replica in replicas if replica.embeddings_broken]
+        return broken[0] if broken and not any(replica.embeddings_ready for replica in replicas) else None
 
     # -- routing -------------------------------------------------------------------------------
-    def pick(self, token_ids: list[int] | None, tried: list[Replica]) -> Replica:
-        candidates = [r for r in self.replicas.values() if r.ready and r not in tried]
+    def pick(self, token_ids: list[int] | None, tried: list[Replica], model: str = LLM_MODEL) -> Replica:
+        candidates = [r for r in self.replicas.values() if r.serves(model) and r not in tried]
+        if not candidates and model == EMBEDDINGS_MODEL:
+            why = self.embeddings_down() or "not ready on any Triton replica"
+            raise OpenAIError(503, f"The `{EMBEDDINGS_MODEL}` model is unavailable: {why}", None, "model_unavailable")
         if not candidates:
             raise OpenAIError(503, f"no Triton replica is ready ({len(self.replicas)} known)", None,
                               "service_unavailable")
@@ -331,19 +367,25 @@ class Replicas:
                 raise last_error
 
     async def embed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """On replicas whose embeddings model answers; one that fails there is set aside for it
+        until the next check, and its llm model keeps serving."""
         tried: list[Replica] = []
         deadline = self.deadline()
         while True:
-            replica = self.pick(None, tried)
+            replica = self.pick(None, tried, EMBEDDINGS_MODEL)
             tried.append(replica)
             with self.sent(replica):
                 try:
                     return await replica.client.embed(texts, timeout=self.time_left(deadline))
                 except OpenAIError as error:
-                    if not self.retry_elsewhere(replica, error):
+                    if isinstance(error, ReplicaUnavailable):
+                        self.mark_down(replica, error)
+                    elif error.code == "model_unavailable":
+                        replica.embeddings_ready = False
+                    if error.status != 503:
                         raise
                     last_error = error
-            if not any(r.ready and r not in tried for r in self.replicas.values()):
+            if not any(r.embeddings_ready and r not in tried for r in self.replicas.values()):
                 raise last_error
 
     async def model_ready(self, model: str) -> bool:

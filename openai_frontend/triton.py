@@ -201,6 +201,9 @@ class TritonClient:
         a request without a prompt, which a live model refuses at once without touching its engine,
         and which Triton answers for a dead one with "Stub process 'llm_0_0' is not healthy."
         Raises ReplicaUnavailable when Triton cannot be reached."""
+        if model == EMBEDDINGS_MODEL:
+            return await self._probe_embeddings()
+
         async def requests():
             yield {"model_name": model, "inputs": [], "request_id": "health-probe"}
 
@@ -217,6 +220,23 @@ class TritonClient:
             if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return f"the `{model}` model did not answer a probe within {HEALTH_TIMEOUT_S:g} s"
             return f"the probe failed: {error.details()}"
+
+    async def _probe_embeddings(self) -> str | None:
+        """The embeddings model's probe: one empty token-id list (all padding), which its live
+        process refuses at once, before encoding anything; Triton answers for a dead one as above."""
+        probe = _tensor("input_ids", np.full((1, 1), -1, dtype=np.int32), "INT32")
+        try:
+            await self.client.infer(EMBEDDINGS_MODEL, [probe], request_id="health-probe",
+                                    client_timeout=HEALTH_TIMEOUT_S)
+            return None
+        except InferenceServerException as error:
+            status = str(error.status() or "")
+            if "UNAVAILABLE" in status and "not healthy" not in (error.message() or ""):
+                raise ReplicaUnavailable(self.url, error.message()) from None
+            if "DEADLINE_EXCEEDED" in status:
+                return f"the `{EMBEDDINGS_MODEL}` model did not answer a probe within {HEALTH_TIMEOUT_S:g} s"
+            refused = from_triton_message(error.message()).code == "model_unavailable"
+            return error.message() if refused else None
 
     async def generate(self, prompt_token_ids: list[int], sampling_parameters: dict, *, stream: bool,
                        prompt_param: str = "prompt", timeout: float | None = None,

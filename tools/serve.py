@@ -36,6 +36,7 @@ ADMIN_KEY_FILE = "triton-admin-key"
 # Triton reads the key from `--http-restricted-api=<apis>:<header>=<key>`: no `:`, `,` or `=` in it.
 ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]{16,}")
 STUB_CHECK_S = 0.5
+WATCHED_MODELS = (MODEL_NAME, "embeddings")  # the models serve loads, whose stubs Triton never restarts
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -275,29 +276,33 @@ def interrupt(signum, frame) -> None:
 
 
 class StubWatch:
-    """Notices the llm model's Python stub dying while tritonserver lives on. Triton does not
-    restart the stub of a decoupled model and keeps reporting the model ready, so every request
-    would hang: serve exits non-zero instead, and its supervisor (systemd, Kubernetes, docker's
-    restart policy) starts a fresh service. Reloading in-process is what issue 31 showed unsafe."""
+    """Notices a model's Python stub (llm's or embeddings') dying while tritonserver lives on.
+    Triton restarts neither and keeps reporting the model ready: the llm's requests would hang, and
+    the embeddings model would stay down (the frontend fails its requests and /health with a 503).
+    serve exits non-zero instead, and its supervisor (systemd, Kubernetes, docker's restart policy)
+    starts a fresh service. Reloading in-process is what issue 31 showed unsafe."""
 
     def __init__(self, server: TritonServer, explicit: bool) -> None:
         self.server, self.explicit = server, explicit
-        self.pids = set(server.stub_pids())
+        self.pids = {model: set(server.stub_pids(model)) for model in WATCHED_MODELS}
 
-    def dead(self) -> bool:
-        pids = set(self.server.stub_pids())
-        if not self.explicit:  # no load or unload can happen: the first stub is the only one
-            return not self.pids <= pids
-        if pids:  # an admin may reload: follow the current stub
-            self.pids = pids
-            return False
-        # No stub: an unload (the model reads not ready) or a death (Triton still says ready).
-        return model_ready(self.server)
+    def dead(self) -> str | None:
+        """The model whose stub died, if one did."""
+        for model, known in self.pids.items():
+            pids = set(self.server.stub_pids(model))
+            if not self.explicit:  # no load or unload can happen: the first stubs are the only ones
+                if not known <= pids:
+                    return model
+            elif pids:  # an admin may reload: follow the current stub
+                self.pids[model] = pids
+            elif model_ready(self.server, model):  # no stub: an unload (not ready) or a death (ready)
+                return model
+        return None
 
 
-def model_ready(server: TritonServer) -> bool:
+def model_ready(server: TritonServer, model: str = MODEL_NAME) -> bool:
     try:
-        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{MODEL_NAME}/ready", timeout=5) as response:
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=5) as response:
             return response.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return False
@@ -349,8 +354,8 @@ def run_serve(args: argparse.Namespace) -> int:
             wait_http(f"http://{args.host}:{args.port}/health", frontend, timeout=120)
         print_banner(args, engine_args["model"], frontend, key)
         while server.process.poll() is None and (frontend is None or frontend.poll() is None):
-            if watch.dead():
-                print(f"tritonllm serve: the '{MODEL_NAME}' model's Python stub died; stopping, so that a "
+            if (dead := watch.dead()) is not None:
+                print(f"tritonllm serve: the '{dead}' model's Python stub died; stopping, so that a "
                       "supervisor can restart the service", file=sys.stderr, flush=True)
                 stop_timeout = 5.0  # Triton cannot unload a model whose stub is gone
                 return 1

@@ -1,5 +1,6 @@
 """GET /health and /health/ready (the LLM ready on at least one Triton replica: loaded, and its
-process answering the background probe), /health/live (the frontend itself answers), /metrics (the
+process answering the background probe; and the embeddings model, where loaded, answering on one),
+/health/live (the frontend itself answers), /metrics (the
 frontend's own, with per-replica readiness and load), /version."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import APIRouter, Request, Response
 
 from openai_frontend.errors import OpenAIError
-from openai_frontend.triton import LLM_MODEL
+from openai_frontend.triton import EMBEDDINGS_MODEL, LLM_MODEL
 
 router = APIRouter()
 
@@ -26,8 +27,12 @@ def package_version() -> str:
 async def health(raw_request: Request):
     """Readiness: answered from the last background check (every 2 s), never by calling Triton, so
     probing it is free and cannot hang."""
-    if not await raw_request.app.state.frontend.triton.model_ready(LLM_MODEL):
+    triton = raw_request.app.state.frontend.triton
+    if not await triton.model_ready(LLM_MODEL):
         raise OpenAIError(503, f"the `{LLM_MODEL}` model is not ready on any Triton replica", None, "model_unavailable")
+    if (why := triton.embeddings_down()) is not None:
+        raise OpenAIError(503, f"the `{EMBEDDINGS_MODEL}` model is down on every Triton replica: {why}", None,
+                          "model_unavailable")
     return Response(status_code=200)
 
 

@@ -1,16 +1,19 @@
 """The frontend when Triton breaks under it, and against clients that never finish: a real
 tritonserver with the `llm` model and the OpenAI frontend in front of it. The model's Python stub
-SIGKILLed with streams in flight (Triton keeps the model READY: only a probe tells), tritonserver
-frozen by SIGSTOP, and connections that send half a request."""
+SIGKILLed with streams in flight (Triton keeps the model READY: only a probe tells), the embeddings
+model's stub SIGKILLed (its requests and /health fail fast, naming it; the LLM serves on),
+tritonserver frozen by SIGSTOP, and connections that send half a request."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,9 +21,9 @@ import pytest
 
 from openai_frontend import Settings
 from tests.utils import wait_for
-from tests.utils.serve import ServedApp, frontend_metrics
+from tests.utils.serve import EMBEDDINGS, ServedApp, frontend_metrics
 from tests.utils.triton import shm_regions, start_triton, stub_processes
-from tools.triton_server import free_port, write_model_repository
+from tools.triton_server import TritonServer, free_port, write_model_repository
 
 MAX_MODEL_LEN = 256
 ENGINE = {"dtype": "float32", "kv_cache_memory_bytes": 16 << 20, "max_model_len": MAX_MODEL_LEN,
@@ -33,11 +36,10 @@ FAILS_WITHIN_S = 25
 REQUEST_TIMEOUT_S = 3.0
 
 
-@pytest.fixture
-def triton(tmp_path, model_path):
-    """A fresh server per test: each test breaks its own."""
-    write_model_repository(tmp_path / "repository", {"model": model_path, **ENGINE})
-    server = start_triton(tmp_path, ("llm",))
+@contextlib.contextmanager
+def breakable_triton(work: Path, model_path: str, models: tuple[str, ...]) -> Iterator[TritonServer]:
+    write_model_repository(work / "repository", {"model": model_path, **ENGINE})
+    server = start_triton(work, models)
     regions = shm_regions(server)
     try:
         yield server
@@ -47,6 +49,21 @@ def triton(tmp_path, model_path):
         server.stop(30)  # a model with a dead stub never unloads: the exit timeout ends it
         for region in regions:
             Path(region).unlink(missing_ok=True)
+
+
+@pytest.fixture
+def triton(tmp_path, model_path):
+    """A fresh server per test: each test breaks its own."""
+    with breakable_triton(tmp_path, model_path, ("llm",)) as server:
+        yield server
+
+
+@pytest.fixture
+def triton_with_embeddings(tmp_path, model_path):
+    from tools.prepare_embeddings import prepare_embeddings
+    prepare_embeddings()
+    with breakable_triton(tmp_path, model_path, ("llm", "embeddings")) as server:
+        yield server
 
 
 def completion(model: str, **changes) -> dict:
@@ -104,6 +121,42 @@ def test_dead_stub_fails_every_stream_and_turns_health_503(triton, model_path):
         response = httpx.post(f"{app.url}/v1/completions", json=completion(model), timeout=30)
         assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
         assert time.monotonic() - started < 2.0
+
+
+def test_dead_embeddings_stub_fails_its_requests_fast_and_health_names_it(triton_with_embeddings, model_path):
+    triton = triton_with_embeddings
+    model = os.path.basename(model_path)
+    with ServedApp(Settings(grpc_url=triton.grpc_url, model=model_path, max_model_len=MAX_MODEL_LEN)) as app:
+        embed = {"model": EMBEDDINGS, "input": ["one text", "another"]}
+        assert httpx.post(f"{app.url}/v1/embeddings", json=embed, timeout=60).status_code == 200
+        assert httpx.get(f"{app.url}/health").status_code == 200
+        [stub] = triton.stub_pids("embeddings")
+        os.kill(stub, signal.SIGKILL)
+
+        # Health names the model that is down; the check finds it within its interval and probe deadline.
+        down_after = wait_for(lambda: httpx.get(f"{app.url}/health").status_code == 503, FAILS_WITHIN_S,
+                              "/health to turn 503")
+        health = httpx.get(f"{app.url}/health").json()["error"]
+        assert "`embeddings` model is down" in health["message"] and "not healthy" in health["message"], health
+        assert health["code"] == "model_unavailable"
+        assert httpx.get(f"{app.url}/health/ready").status_code == 503
+        assert httpx.get(f"{app.url}/health/live").status_code == 200
+        # Its requests fail at once with a 503 that names it, and never reach the dead stub.
+        for _ in range(3):
+            started = time.monotonic()
+            response = httpx.post(f"{app.url}/v1/embeddings", json=embed, timeout=60)
+            assert time.monotonic() - started < 1.0
+            assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
+            error = response.json()["error"]
+            assert error["code"] == "model_unavailable" and "`embeddings` model" in error["message"], error
+        # The LLM serves on, and the replica stays ready for it.
+        for _ in range(3):
+            response = httpx.post(f"{app.url}/v1/completions", json=completion(model), timeout=60)
+            assert response.status_code == 200, response.text
+        shown = frontend_metrics(app.url)
+        assert shown["tritonllm_frontend_replica_ready", triton.grpc_url] == 1
+        print(f"\nembeddings stub SIGKILLed: /health 503 naming it after {down_after:.1f} s; "
+              f"/v1/embeddings 503 at once; completions still 200")
 
 
 def test_frozen_triton_fails_new_requests_within_the_deadline(triton, model_path):

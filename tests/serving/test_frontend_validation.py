@@ -202,11 +202,11 @@ def test_forged_system_turn_reaches_the_model_as_text(serve, model_name, model_p
 
 
 def embeddings_requests(serve) -> float:
-    """Triton requests the embeddings model has answered, successfully or not (Triton's counters)."""
+    """Triton requests the embeddings model has run (Triton's success counter: the frontend's
+    health probe, refused every 2 s, counts as a failure, as does a call cancelled in the model)."""
     text = httpx.get(serve.metrics_url, timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(("nv_inference_request_success{", "nv_inference_request_failure{"))
-               and 'model="embeddings"' in line)
+               if line.startswith("nv_inference_request_success{") and 'model="embeddings"' in line)
 
 
 def test_cut_embeddings_request_stops_its_work(serve):

@@ -1,8 +1,8 @@
 """`tritonllm serve` as an attacker and an operator meet it (issue 26): Triton's model control is
 closed (no unload, no load with a `file:` override), its repository, logging and trace APIs need
 the admin key (Triton's header on HTTP, its gRPC form on gRPC; an operator's key from
---admin-key-file, issue 42), the API key sits on no command line, a dead llm stub makes serve exit
-non-zero, and `kill -9` of serve leaves no process and no listening port behind; every server binds
+--admin-key-file, issue 42), the API key sits on no command line, a dead llm or embeddings stub makes
+serve exit non-zero, and `kill -9` of serve leaves no process and no listening port behind; every server binds
 loopback by default.
 
 Each test runs the real `serve` (tritonserver, both stubs, the frontend) on a tiny random Llama.
@@ -80,6 +80,20 @@ def test_model_control_is_closed_and_a_dead_stub_stops_serve(serve):
     stub.kill()
     assert serve.process.wait(60) == 1
     assert "stub died" in serve.log()
+    gone, alive = psutil.wait_procs(others, timeout=10)
+    assert not alive, alive
+
+
+def test_a_dead_embeddings_stub_stops_serve_too(serve):
+    """Triton restarts neither stub: a dead embeddings model would stay down (the frontend fails its
+    requests and /health, naming it), so serve exits for its supervisor as for the llm's."""
+    serve = serve()
+    [stub] = [p for p in serve.descendants() if "triton_python_backend_stub" in " ".join(p.cmdline()[:1])
+              and "/embeddings/" in " ".join(p.cmdline())]
+    others = serve.descendants()
+    stub.kill()
+    assert serve.process.wait(60) == 1
+    assert "the 'embeddings' model's Python stub died" in serve.log()
     gone, alive = psutil.wait_procs(others, timeout=10)
     assert not alive, alive
 
