@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from backend.errors import ENGINE_OVERLOADED, EngineError, parse_wire
+from backend.errors import ENGINE_OVERLOADED, STREAM_ECHO_REFUSED, EngineError, parse_wire
 from backend.sampling_params import SamplingParams
 from openai_frontend.errors import from_triton_message
 from openai_frontend.prompts import PromptBuilder
@@ -33,6 +33,11 @@ def test_frontend_maps_engine_codes_not_wording():
     # An untagged message is Triton's own: only its known ones are classified, the rest is a 500.
     assert from_triton_message("Request for unknown model: 'llm' is not found").status == 503
     assert from_triton_message("temperature must be non-negative").status == 500
+    # Triton's vLLM backend's whole words (its tests compare them) carry a code and parameter all the same.
+    echo = EngineError.worded(STREAM_ECHO_REFUSED)
+    assert echo.wire() == STREAM_ECHO_REFUSED and STREAM_ECHO_REFUSED.startswith("Error generating stream: ")
+    error = from_triton_message(echo.wire())
+    assert (error.status, error.param, error.message) == (400, "exclude_input_in_output", STREAM_ECHO_REFUSED)
 
 
 def test_sampling_errors_carry_their_parameter():
