@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import subprocess
 import sys
 
@@ -148,7 +149,8 @@ def test_explicit_control_with_the_operators_key_over_http_and_grpc_and_kill_9_o
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
 
-    serve = serve("--model-control", "explicit", "--admin-key-file", str(key_file(tmp_path, CI_ADMIN_KEY, 0o600)))
+    admin_key = key_file(tmp_path, CI_ADMIN_KEY, 0o600)
+    serve = serve("--model-control", "explicit", "--admin-key-file", str(admin_key))
     assert not (serve.work / ADMIN_KEY_FILE).exists()  # the operator's file is the only copy
     http = httpclient.InferenceServerClient(f"127.0.0.1:{serve.ports['http-port']}")
     grpc = grpcclient.InferenceServerClient(serve.grpc_url)
@@ -172,6 +174,15 @@ def test_explicit_control_with_the_operators_key_over_http_and_grpc_and_kill_9_o
     status, text = serve.triton("/v2/logging", {"log_verbose_level": 1})
     assert status == 403, (status, text)
     assert CI_ADMIN_KEY not in serve.log()
+    # docs/triton.md's example runs as written there, but for the ports and the key file's path.
+    docs = (ROOT / "docs" / "triton.md").read_text(encoding="utf-8")
+    example = re.search(r"### The vLLM backend's load/unload tests.*?```bash\n(.*?)```.*?```python\n(.*?)```", docs, re.S)
+    assert "tritonllm serve --model-control explicit --admin-key-file admin.key" in example.group(1)
+    code = (example.group(2).replace("localhost:8001", serve.grpc_url)
+            .replace("localhost:8000", f"127.0.0.1:{serve.ports['http-port']}")
+            .replace('open("admin.key")', f"open({str(admin_key)!r})"))
+    exec(compile(code, "docs/triton.md", "exec"), {})
+    assert http.is_model_ready("llm") and grpc.is_model_ready("llm")
 
     processes = serve.descendants()
     assert len(processes) >= 4, processes  # tritonserver, two stubs, the frontend
