@@ -6,7 +6,7 @@ decoder's worth of calls (each projection once per layer, the LM head once).
     python -m tools.bench_linears [--dtype float32] [--rows 8,64,512,2048] [--rounds 9]
 
 Our kernel is whichever `backend.ops.cpu_ops.PackedLinear` picks here (float32: csrc/cpu_linear_f32.cpp
-on AVX2 without AVX-512; bfloat16: csrc/cpu_linear.cpp on AVX512-BF16 without AMX); where it picks
+on AVX2 or AVX-512; bfloat16: csrc/cpu_linear.cpp on AVX512-BF16 without AMX); where it picks
 oneDNN too, both columns measure oneDNN.
 """
 

@@ -160,7 +160,8 @@ def _library() -> ctypes.CDLL | None:
         library.lora_pairs_bf16.restype = None
         library.moe_experts_bf16.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64]
         library.moe_experts_bf16.restype = None
-    if hasattr(library, "linear_f32"):  # built for AVX2 and FMA without AVX-512
+    if hasattr(library, "linear_f32"):  # built for AVX2 and FMA, or AVX-512
+        library.linear_f32_multiple.argtypes, library.linear_f32_multiple.restype = [flag], i64
         library.pack_linear_f32.argtypes, library.pack_linear_f32.restype = [ptr, ptr, i64, i64, flag], None
         library.linear_f32.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, flag, flag]
         library.linear_f32.restype = None
@@ -340,8 +341,8 @@ def fma_peak_gflops(seconds: float = 0.5) -> float:
 def own_linear_kernel(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether linears in `dtype` run on our kernels. bfloat16: `csrc/cpu_linear.cpp`, built for
     AVX512-BF16, on a CPU without AMX (oneDNN's AMX kernels are the faster ones where it has it).
-    float32: `csrc/cpu_linear_f32.cpp`, built for AVX2 and FMA without AVX-512 (where oneDNN's
-    AVX-512 kernels stay). TRITONLLM_CPU_LINEARS=onednn keeps oneDNN's for both."""
+    float32: `csrc/cpu_linear_f32.cpp`, built for AVX2 and FMA or AVX-512. TRITONLLM_CPU_LINEARS=onednn
+    keeps oneDNN's for both."""
     library = _library()
     if library is None or os.environ.get("TRITONLLM_CPU_LINEARS") == "onednn":
         return False
@@ -350,16 +351,20 @@ def own_linear_kernel(dtype: torch.dtype = torch.bfloat16) -> bool:
     return dtype == torch.bfloat16 and hasattr(library, "linear_bf16") and "amx_bf16" not in cpu_flags().split()
 
 
-# Output features our kernels take: whole panels' vectors (16 bfloat16 or 8 float32 outputs), and
-# for a gated weight whole gate + up panels (32 + 32, 8 + 8).
-OUT_MULTIPLE = {torch.bfloat16: 16, torch.float32: 8}
-GATED_MULTIPLE = {torch.bfloat16: 64, torch.float32: 16}
+def out_multiple(dtype: torch.dtype, gated: bool = False) -> int:
+    """The output features our kernel in `dtype` takes a weight in: whole vectors (16 bfloat16
+    outputs; 16 float32 outputs with AVX-512, 8 with AVX2), and for a gated weight whole gate + up
+    panels (bfloat16: 32 + 32; float32: 32 + 32 with AVX-512, 8 + 8 with AVX2)."""
+    if dtype == torch.bfloat16:
+        return 64 if gated else 16
+    library = _library()
+    return library.linear_f32_multiple(gated) if library is not None and hasattr(library, "linear_f32") else 0
 
 
 def own_kernel_takes(linear: nn.Linear) -> bool:
     out_features, in_features = linear.weight.shape
     dtype = linear.weight.dtype
-    return (dtype in OUT_MULTIPLE and own_linear_kernel(dtype) and out_features % OUT_MULTIPLE[dtype] == 0
+    return (dtype in SUFFIXES and own_linear_kernel(dtype) and out_features % out_multiple(dtype) == 0
             and (dtype != torch.bfloat16 or in_features % 2 == 0)
             and (linear.bias is None or linear.bias.dtype == dtype))
 
@@ -382,22 +387,22 @@ def onednn_packing(dtype: torch.dtype = torch.float32) -> bool:
 class PackedLinear(nn.Module):
     """nn.Linear in bfloat16 or float32 with its weight packed once: into the panels of our C++
     kernels where `own_linear_kernel(dtype)` (bfloat16 on AVX512-BF16 without AMX; float32 on AVX2
-    without AVX-512), else into oneDNN's blocked layout. docs/benchmarks.md has what each gains.
-    Our kernels take output features in whole vectors (`OUT_MULTIPLE`) and, in bfloat16, even input
+    or AVX-512), else into oneDNN's blocked layout. docs/benchmarks.md has what each gains.
+    Our kernels take output features in whole vectors (`out_multiple`) and, in bfloat16, even input
     features; their results are F.linear's but for the sums' order (bfloat16: about one output in
     20,000 a unit away; float32: the last bits). Where neither takes the weight (bfloat16 on a CPU
     without AVX-512: `onednn_packing`), it stays as it is and F.linear runs it.
 
     `gated`: the weight is an MLP's gate and up projections stacked, and `silu_and_mul(x)` gives
     ops.silu_and_mul(self(x)) in one pass, bit for bit (our kernels, output features a multiple of
-    `GATED_MULTIPLE`; `self.gated` says whether it took the offer)."""
+    `out_multiple(dtype, gated=True)`; `self.gated` says whether it took the offer)."""
 
     def __init__(self, linear: nn.Linear, batch_size_hint: int, gated: bool = False) -> None:
         super().__init__()
         weight = linear.weight.detach()
         self.out_features, self.in_features = weight.shape
         self.own_kernel = own_kernel_takes(linear)
-        self.gated = gated and self.own_kernel and self.out_features % GATED_MULTIPLE[weight.dtype] == 0
+        self.gated = gated and self.own_kernel and self.out_features % out_multiple(weight.dtype, gated=True) == 0
         self.onednn = not self.own_kernel and onednn_packing(weight.dtype)
         if self.own_kernel:
             weight = weight.contiguous()

@@ -171,7 +171,7 @@ def test_prefill_tokens_attend_causally_over_their_blocks(dtype, heads, kv_heads
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("out_features, bias", [(960, True), (80, False), (16, True), (8, False)])
 def test_packed_linear_matches_linear(out_features, bias, dtype):
-    """Our kernels where they run (bfloat16: AVX512-BF16 without AMX; float32: AVX2 without
+    """Our kernels where they run (bfloat16: AVX512-BF16 without AMX; float32: AVX2 or
     AVX-512), oneDNN's where it packs the dtype, F.linear on the weight as it is elsewhere: whole
     panels and narrower last ones, row tiles and the rows left over, more rows than one chunk,
     strided rows, a bias. bfloat16: each output is the float32 result rounded, give or take the
@@ -179,7 +179,7 @@ def test_packed_linear_matches_linear(out_features, bias, dtype):
     torch.manual_seed(0)
     linear = torch.nn.Linear(576, out_features, bias=bias).to(dtype)
     packed = cpu_ops.PackedLinear(linear, batch_size_hint=64)
-    takes = cpu_ops.own_linear_kernel(dtype) and out_features % cpu_ops.OUT_MULTIPLE[dtype] == 0
+    takes = cpu_ops.own_linear_kernel(dtype) and out_features % cpu_ops.out_multiple(dtype) == 0
     assert packed.own_kernel == takes
     assert packed.onednn == (not packed.own_kernel and cpu_ops.onednn_packing(dtype))
     for rows in (1, 7, 64, 300, 1100):
