@@ -6,9 +6,10 @@ decoder's width.
 
 The tower takes a batch of images of one grid, [N, patches, C * T * P * P] as the processor
 flattened them (patches in merge-block order). Like Hugging Face, it reorders the merge blocks so
-that each window's are contiguous, runs the layers in that order (a window layer masks attention
-to its window; rotation is per patch, so order does not matter to a full layer) and restores the
-order after the merger.
+that each window's are contiguous, runs the layers in that order (rotation is per patch, so order
+does not matter to a full layer) and restores the order after the merger. A window layer attends
+within each window: the windows of one size (whole ones, and those cut at the right and bottom
+edges) are one batch, so its cost grows with the patches, not with their square.
 """
 
 from __future__ import annotations
@@ -61,14 +62,18 @@ class QwenVisionArgs:
                    rope_theta=(vision.get("rope_parameters") or {}).get("rope_theta", 10000.0))
 
 
-def window_order(height: int, width: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def window_order(height: int, width: int, window: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The merge blocks of a height x width grid (row-major) ordered window by window (windows of
-    window x window blocks, row-major; row-major inside each), and each block's window number."""
+    window x window blocks, row-major; row-major inside each), and the windows in that order as
+    index tensors [windows of that size, size], one per size."""
     rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
     windows_per_row = -(-width // window)
     window_of = ((rows // window) * windows_per_row + cols // window).flatten()
     order = torch.argsort(window_of * (height * width) + torch.arange(height * width))
-    return order, window_of[order]
+    sizes = torch.bincount(window_of)
+    starts = torch.cumsum(sizes, 0) - sizes
+    windows = [starts[sizes == size, None] + torch.arange(int(size)) for size in sizes.unique()]
+    return order, windows
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -76,9 +81,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Bidirectional attention, [B, L, H, D] in and out."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
 class QwenVisionAttention(nn.Module):
-    """Bidirectional attention over an image's patches (or, with a mask, inside each window), q and
-    k rotated by each patch's row and column."""
+    """Bidirectional attention over an image's patches, or inside each window (`windows`: the
+    patches of each window, by window size), q and k rotated by each patch's row and column."""
 
     def __init__(self, args: QwenVisionArgs) -> None:
         super().__init__()
@@ -86,14 +96,19 @@ class QwenVisionAttention(nn.Module):
         self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size)
         self.proj = nn.Linear(args.hidden_size, args.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, windows: list[torch.Tensor] | None):
         batch, length, width = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.num_heads, -1).unbind(2)
         cos, sin = cos[:, None], sin[:, None]  # [length, 1, head_dim]: the same for every head
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(v.dtype)  # in float32, as Hugging Face
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(v.dtype)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-        return self.proj(out.transpose(1, 2).reshape(batch, length, width))
+        if windows is None:
+            out = attend(q, k, v)
+        else:
+            out = torch.empty_like(q)
+            for index in windows:  # [windows of one size, size]: each image's windows, one batch
+                out[:, index] = attend(*(t[:, index].flatten(0, 1) for t in (q, k, v))).unflatten(0, (batch, -1))
+        return self.proj(out.reshape(batch, length, width))
 
 
 class QwenVisionMLP(nn.Module):
@@ -119,8 +134,8 @@ class QwenVisionBlock(nn.Module):
         self.norm2 = RMSNorm(args.hidden_size, 1e-6)
         self.mlp = QwenVisionMLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None):
-        x = x + self.attn(self.norm1(x.flatten(0, 1)).view_as(x), cos, sin, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, windows: list[torch.Tensor] | None):
+        x = x + self.attn(self.norm1(x.flatten(0, 1)).view_as(x), cos, sin, windows)
         return x + self.mlp(self.norm2(x.flatten(0, 1))).view_as(x)
 
 
@@ -182,15 +197,15 @@ class QwenVisionTower(nn.Module):
         device = pixel_values.device
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
         merge = args.spatial_merge_size
-        order, window_of = window_order(height // merge, width // merge, args.window_size // merge // args.patch_size)
+        order, windows = window_order(height // merge, width // merge, args.window_size // merge // args.patch_size)
 
         def by_window(t: torch.Tensor) -> torch.Tensor:  # [.., patches, D] in window order of their merge blocks
             return t.unflatten(-2, (-1, args.merge_unit))[..., order.to(t.device), :, :].flatten(-3, -2)
 
         x = by_window(x)
         cos, sin = (by_window(t).to(device) for t in self.rotary(height, width))
-        window_ids = window_of.repeat_interleave(args.merge_unit).to(device)
-        window_mask = window_ids[:, None] == window_ids[None, :]
+        unit = torch.arange(args.merge_unit)  # a window's merge blocks -> their patches
+        windows = [(index[..., None] * args.merge_unit + unit).flatten(1).to(device) for index in windows]
         for index, block in enumerate(self.blocks):
-            x = block(x, cos, sin, None if index in args.fullatt_block_indexes else window_mask)
+            x = block(x, cos, sin, None if index in args.fullatt_block_indexes else windows)
         return self.merger(x)[:, torch.argsort(order).to(device)]

@@ -101,3 +101,19 @@ def test_the_prefix_cache_keys_qwen_blocks_by_their_images(qwen, reference):
     first_image, second_image = llm.llm_engine.image_processor(text, {"image": images})[1]
     assert first_image.offset + first_image.length <= other.num_cached_tokens <= second_image.offset
     assert tokens([other]) == [hf_greedy(model, processor, text, other_images)]
+
+
+def test_the_tower_batches_images_of_one_size_whatever_their_grids(qwen):
+    """Images with as many patches share an encoder batch: two of one grid and one of the transposed grid (10 x 12
+    and 12 x 10 patches) give transformers' features, and the prompt holding all three its tokens."""
+    path, model, processor = qwen
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=16 << 20)
+    images = [image(3, 40, 48), image(4, 40, 48), image(5, 48, 40)]
+    inputs = processor.image_processor(images=images, return_tensors="pt")
+    with torch.inference_mode():
+        expected = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+        ours = llm.llm_engine.runner.model.vision(inputs["pixel_values"].view(3, 120, -1), inputs["image_grid_thw"])
+    for feature, hf_feature in zip(ours, expected):
+        torch.testing.assert_close(feature, hf_feature)
+    text = IMAGE + IMAGE + " and " + IMAGE + ":"
+    assert tokens(llm.generate(requests([(text, images)]), GREEDY)) == [hf_greedy(model, processor, text, images)]
