@@ -1,7 +1,8 @@
 """Qwen2.5-VL, greedy float32 against transformers on a tiny random-weight model (tests/utils/qwen_vl.py): images
 at their own resolution (different sizes, so different grids and placeholder counts), one and two per prompt,
 interleaved with text, batched with a text-only prompt, with an image's placeholders split across prefill
-chunks, under preemption and through the prefix cache; and the M-RoPE positions against transformers'
+chunks, under preemption and through the prefix cache, and through `LLM.chat` (Qwen2-VL's template); images of
+one patch count but different grids in one encoder batch; and the M-RoPE positions against transformers'
 `get_rope_index`."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 
 from backend import LLM, SamplingParams
 from tests.utils.qwen_vl import IMAGE, tiny_qwen2_5_vl
-from tests.utils.vision import image
+from tests.utils.vision import data_url, image
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -117,3 +118,22 @@ def test_the_tower_batches_images_of_one_size_whatever_their_grids(qwen):
         torch.testing.assert_close(feature, hf_feature)
     text = IMAGE + IMAGE + " and " + IMAGE + ":"
     assert tokens(llm.generate(requests([(text, images)]), GREEDY)) == [hf_greedy(model, processor, text, images)]
+
+
+def test_chat_writes_qwen_image_placeholders(qwen):
+    """LLM.chat with data URLs: Qwen2-VL's template writes each image's placeholder, and the tokens are
+    transformers' for that prompt and the images; a conversation without images is a plain chat beside it."""
+    path, model, processor = qwen
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=64 << 20)
+    images = PROMPTS[1][1]
+    content = [{"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": data_url(images[0])}},
+               {"type": "text", "text": "with"}, {"type": "image_url", "image_url": {"url": data_url(images[1])}}]
+    text_only = [{"role": "user", "content": TEXT_ONLY}]
+    with_images, without = llm.chat([[{"role": "user", "content": content}], text_only], GREEDY)
+    prompt = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "with"}, {"type": "image"}]}],
+        add_generation_prompt=True)
+    assert with_images.prompt == prompt and prompt.count(IMAGE) == 2
+    assert tokens([with_images]) == [hf_greedy(model, processor, prompt, images)]
+    assert without.prompt == processor.apply_chat_template(text_only, add_generation_prompt=True)
+    assert tokens([without]) == [hf_greedy(model, processor, without.prompt, None)]

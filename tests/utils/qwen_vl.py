@@ -7,23 +7,33 @@ import torch
 
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # one image, as Qwen2.5-VL's chat template writes it
+# Qwen2-VL / Qwen2.5-VL's chat template, less its video and vision-id options.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def tiny_qwen2_5_vl(path, tokenizer_source: str):
     """A tiny Qwen2.5-VL in `path` over `tokenizer_source`'s tokenizer (plus Qwen's vision tokens): a 4-block
     tower (full attention on blocks 1 and 3, windows of 2 x 2 merged patches elsewhere) on 4 x 4 patches,
     merged 2 x 2, so an image of H x W pixels (resized to multiples of 8) takes H/8 x W/8 placeholders; a
-    2-layer decoder whose 8 rotary frequencies are split (2, 3, 3) among M-RoPE's parts.
-    (path, HF model, processor)."""
+    2-layer decoder whose 8 rotary frequencies are split (2, 3, 3) among M-RoPE's parts; Qwen2-VL's chat
+    template. (path, HF model, processor)."""
     from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
     from backend.models.qwen2_5_vl import image_processor_class
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = CHAT_TEMPLATE
     image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64}, patch_size=4,
                                                merge_size=2, temporal_patch_size=2)
-    processor = image_processor_class()(image_processor, tokenizer)
+    processor = image_processor_class()(image_processor, tokenizer, chat_template=CHAT_TEMPLATE)
     token = tokenizer.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
         vision_config=dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=4,
