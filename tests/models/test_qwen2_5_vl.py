@@ -137,3 +137,29 @@ def test_chat_writes_qwen_image_placeholders(qwen):
     assert tokens([with_images]) == [hf_greedy(model, processor, prompt, images)]
     assert without.prompt == processor.apply_chat_template(text_only, add_generation_prompt=True)
     assert tokens([without]) == [hf_greedy(model, processor, without.prompt, None)]
+
+
+def test_the_hubs_older_layout_loads_to_the_same_tokens(qwen, reference, tmp_path):
+    """Checkpoints saved before transformers 5 (as the hub's Qwen2.5-VL are): the decoder's keys at the top of
+    config.json with `rope_scaling: {type: mrope, ...}`, weights under `model.layers.*` and `visual.*`."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    source = Path(qwen[0])
+    for name in ("tokenizer.json", "tokenizer_config.json", "processor_config.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, tmp_path / name)
+    config = json.loads((source / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    config.update(text, rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    renamed = {name.replace("model.language_model.", "model.").replace("model.visual.", "visual."): tensor
+               for name, tensor in load_file(source / "model.safetensors").items()}
+    assert any(name.startswith("visual.") for name in renamed) and any(name.startswith("model.layers.") for name in renamed)
+    save_file(renamed, tmp_path / "model.safetensors")
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes=64 << 20)
+    assert tokens(llm.generate(requests(), GREEDY)) == reference
