@@ -319,9 +319,10 @@ def all_layers_window(hf_config: dict) -> int | None:
 def resolve_limits(config: EngineConfig, hf_config: dict) -> EngineLimits:
     """max_model_len (the config's, else the model's), the step token budget and the sliding
     window of a model whose layers all slide. The attention kernels take windows, so the context
-    is not capped at the window."""
-    model_limit = hf_config.get("max_position_embeddings", 2048)
-    window = all_layers_window(hf_config)
+    is not capped at the window. A vision-language model's come from its decoder's `text_config`."""
+    text = {**hf_config, **hf_config.get("text_config", {})}
+    model_limit = text.get("max_position_embeddings", 2048)
+    window = all_layers_window(text)
     check(config.max_model_len is None or config.max_model_len <= model_limit, "max_model_len",
           f"{config.max_model_len} exceeds the model's max_position_embeddings ({model_limit})")
     max_model_len = config.max_model_len or model_limit
