@@ -163,3 +163,29 @@ def test_the_hubs_older_layout_loads_to_the_same_tokens(qwen, reference, tmp_pat
     save_file(renamed, tmp_path / "model.safetensors")
     llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes=64 << 20)
     assert tokens(llm.generate(requests(), GREEDY)) == reference
+
+
+def test_triton_serves_qwen2_5_vl_images(qwen, tmp_path_factory):
+    """tritonclient's `image` input (base64, one image per element) on Qwen2.5-VL: the offline engine's text."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from tests.utils.triton import Stream, llm_server, make_inputs, texts
+    from tests.utils.vision import base64_png
+
+    text, images = PROMPTS[1]
+    expected = LLM(qwen[0], dtype="float32", kv_cache_memory_bytes=64 << 20).generate(
+        requests([(text, images)]), GREEDY)[0].outputs[0].text
+    inputs = make_inputs(text, {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True},
+                         exclude_input_in_output=True)
+    tensor = grpcclient.InferInput("image", [len(images)], "BYTES")
+    tensor.set_data_from_numpy(np.array([base64_png(i) for i in images], dtype=np.object_))
+    engine_args = {"model": qwen[0], "dtype": "float32", "kv_cache_memory_bytes": 64 << 20}
+    with llm_server(tmp_path_factory.mktemp("qwen_triton"), engine_args) as server:
+        stream = Stream(server.grpc_url)
+        try:
+            stream.send(inputs + [tensor])
+            [result] = stream.collect()
+        finally:
+            stream.close()
+    assert expected and texts(result) == [expected]
