@@ -2,8 +2,8 @@
 at their own resolution (different sizes, so different grids and placeholder counts), one and two per prompt,
 interleaved with text, batched with a text-only prompt, with an image's placeholders split across prefill
 chunks, under preemption and through the prefix cache, and through `LLM.chat` (Qwen2-VL's template); images of
-one patch count but different grids in one encoder batch; and the M-RoPE positions against transformers'
-`get_rope_index`."""
+one patch count but different grids in one encoder batch; the M-RoPE positions against transformers'
+`get_rope_index`; the hub's older checkpoint layout; served through Triton and the OpenAI SDK."""
 
 from __future__ import annotations
 
@@ -165,27 +165,45 @@ def test_the_hubs_older_layout_loads_to_the_same_tokens(qwen, reference, tmp_pat
     assert tokens(llm.generate(requests(), GREEDY)) == reference
 
 
-def test_triton_serves_qwen2_5_vl_images(qwen, tmp_path_factory):
-    """tritonclient's `image` input (base64, one image per element) on Qwen2.5-VL: the offline engine's text."""
+def test_served_through_triton_and_the_openai_sdk(qwen, tmp_path_factory):
+    """`tritonllm serve`: tritonclient's `image` input (base64 PNGs, one per element) gives LLM.generate's text;
+    the OpenAI SDK's image_url parts (Qwen2-VL's template) give LLM.chat's text and logprobs."""
+    from pathlib import Path
+
     import numpy as np
     import tritonclient.grpc as grpcclient
+    from openai import OpenAI
 
-    from tests.utils.triton import Stream, llm_server, make_inputs, texts
+    from tests.utils.serve import API_KEY, Serve
+    from tests.utils.triton import Stream, make_inputs, texts
     from tests.utils.vision import base64_png
 
+    llm = LLM(qwen[0], dtype="float32", kv_cache_memory_bytes=64 << 20)
     text, images = PROMPTS[1]
-    expected = LLM(qwen[0], dtype="float32", kv_cache_memory_bytes=64 << 20).generate(
-        requests([(text, images)]), GREEDY)[0].outputs[0].text
-    inputs = make_inputs(text, {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True},
-                         exclude_input_in_output=True)
-    tensor = grpcclient.InferInput("image", [len(images)], "BYTES")
-    tensor.set_data_from_numpy(np.array([base64_png(i) for i in images], dtype=np.object_))
-    engine_args = {"model": qwen[0], "dtype": "float32", "kv_cache_memory_bytes": 64 << 20}
-    with llm_server(tmp_path_factory.mktemp("qwen_triton"), engine_args) as server:
-        stream = Stream(server.grpc_url)
+    expected = llm.generate(requests([(text, images)]), GREEDY)[0].outputs[0].text
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(images[0])}},
+                                             {"type": "text", "text": "or"},
+                                             {"type": "image_url", "image_url": {"url": data_url(images[1])}}]}]
+    expected_chat = llm.chat(messages, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                      logprobs=0))[0].outputs[0]
+    with Serve(qwen[0], tmp_path_factory.mktemp("serve_qwen2_5_vl"), kv_cache_bytes=64 << 20,
+               max_model_len=512, start_timeout=300, stop_timeout=60) as served:
+        inputs = make_inputs(text, {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True},
+                             exclude_input_in_output=True)
+        tensor = grpcclient.InferInput("image", [len(images)], "BYTES")
+        tensor.set_data_from_numpy(np.array([base64_png(i) for i in images], dtype=np.object_))
+        stream = Stream(served.grpc_url)
         try:
             stream.send(inputs + [tensor])
             [result] = stream.collect()
         finally:
             stream.close()
-    assert expected and texts(result) == [expected]
+        assert expected and texts(result) == [expected]
+        client = OpenAI(base_url=f"{served.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        response = client.chat.completions.create(
+            model=Path(qwen[0]).name, messages=messages, temperature=0, max_tokens=MAX_TOKENS, logprobs=True,
+            extra_body={"ignore_eos": True})
+    choice = response.choices[0]
+    assert choice.message.content == expected_chat.text
+    logprobs = [position[token].logprob for position, token in zip(expected_chat.logprobs, expected_chat.token_ids)]
+    assert [entry.logprob for entry in choice.logprobs.content] == pytest.approx(logprobs, abs=1e-5)
