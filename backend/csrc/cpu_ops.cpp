@@ -109,6 +109,92 @@ void reshape_and_cache(T* cache, const T* key, int64_t key_stride, const T* valu
   }
 }
 
+// 8-bit KV caches (kv_cache_dtype fp8): float8 E4M3 (the "fn" variant: no infinities, 448 its
+// largest value) or E5M2, each code x / scale for its layer's key or value scale.
+struct e4m3 {
+  uint8_t bits;
+};
+struct e5m2 {
+  uint8_t bits;
+};
+template <typename C> struct Fp8Format;
+template <> struct Fp8Format<e4m3> {
+  static constexpr int kMantissa = 3, kBias = 7;
+  static constexpr float kMax = 448.f, kMinNormal = 0x1p-6f;
+  static constexpr float kUnit = 256.f;  // what load() leaves out of each value (below)
+};
+template <> struct Fp8Format<e5m2> {
+  static constexpr int kMantissa = 2, kBias = 15;
+  static constexpr float kMax = 57344.f, kMinNormal = 0x1p-14f;
+  static constexpr float kUnit = 1.f;
+};
+
+typedef uint8_t vbyte __attribute__((vector_size(kLanes)));
+typedef _Float16 vfloat16 __attribute__((vector_size(kLanes * 2)));
+
+// kLanes codes -> float32 through float16 (one conversion instruction where the CPU has F16C):
+// an E5M2 code is a float16's top byte; an E4M3 code's exponent and mantissa go one bit lower,
+// where they read as the value / 2^8 (subnormals included), so the caller multiplies by kUnit
+// (folded into the attention's scales, never per element).
+template <typename C> __attribute__((always_inline)) inline vfloat load_fp8(const C* p) {
+  vbyte bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  vhalf code = __builtin_convertvector(bytes, vhalf);
+  if constexpr (std::is_same_v<C, e5m2>) code <<= 8;
+  else code = ((code & 0x7f) << 7) | ((code & 0x80) << 8);
+  vfloat16 half;
+  std::memcpy(&half, &code, sizeof half);
+  return __builtin_convertvector(half, vfloat);
+}
+__attribute__((always_inline)) inline vfloat load(const e4m3* p) { return load_fp8(p); }
+__attribute__((always_inline)) inline vfloat load(const e5m2* p) { return load_fp8(p); }
+
+// kLanes floats -> codes, as torch's float32 -> float8 conversion after a clamp to the largest
+// value: rounded to nearest even. Normal values round their float32 bits to the code's mantissa;
+// subnormal ones (below kMinNormal) are rounded to a multiple of the smallest step by adding a
+// power of two whose float32 ulp is that step.
+template <typename C> inline void store_fp8(C* p, vfloat x) {
+  using F = Fp8Format<C>;
+  constexpr int shift = 23 - F::kMantissa;
+  constexpr float magic = float(1 << (23 + 1 - F::kBias - F::kMantissa));
+  constexpr uint32_t magic_bits = uint32_t(127 + 23 + 1 - F::kBias - F::kMantissa) << 23;
+  vuint bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const vuint sign = (bits >> 24) & 0x80u;
+  vuint magnitude_bits = bits & 0x7fffffffu;
+  vfloat magnitude;
+  std::memcpy(&magnitude, &magnitude_bits, sizeof magnitude);
+  magnitude = magnitude < F::kMax ? magnitude : splat(F::kMax);  // NaN too: saturated
+  std::memcpy(&magnitude_bits, &magnitude, sizeof magnitude_bits);
+  const vuint normal = ((magnitude_bits + ((1u << (shift - 1)) - 1u) + ((magnitude_bits >> shift) & 1u)) >> shift)
+                       - uint32_t((127 - F::kBias) << F::kMantissa);
+  const vfloat rounded = magnitude + magic;
+  vuint subnormal;
+  std::memcpy(&subnormal, &rounded, sizeof subnormal);
+  subnormal -= magic_bits;
+  const vuint code = (vuint)(magnitude < F::kMinNormal) & subnormal | ~(vuint)(magnitude < F::kMinNormal) & normal;
+  vbyte out = __builtin_convertvector(sign | code, vbyte);
+  std::memcpy(p, &out, sizeof out);
+}
+
+// reshape_and_cache into an 8-bit cache: each key / k_scale and value / v_scale, rounded to C.
+template <typename T, typename C>
+void reshape_and_cache_fp8(C* cache, const T* key, int64_t key_stride, const T* value, int64_t value_stride,
+                           const int64_t* slot_mapping, int64_t tokens, int64_t kv_heads, int64_t dim,
+                           int64_t num_slots, float k_scale, float v_scale) {
+  C* value_cache = cache + kv_heads * num_slots * dim;
+#pragma omp parallel for if (tokens * kv_heads * dim >= kParallelElements)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slot = slot_mapping[t];
+    if (slot < 0) continue;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t i = 0; i < dim; i += kLanes) {
+        store_fp8(cache + (h * num_slots + slot) * dim + i, load(key + t * key_stride + h * dim + i) / k_scale);
+        store_fp8(value_cache + (h * num_slots + slot) * dim + i, load(value + t * value_stride + h * dim + i) / v_scale);
+      }
+  }
+}
+
 // Sums of kLanes vectors at once: lane i of the result is the sum of the lanes of parts[reversed(i)]
 // (i's log2(kLanes) bits reversed). log2(kLanes) rounds of pairwise shuffles and adds instead of
 // kLanes separate horizontal sums.
@@ -166,6 +252,7 @@ struct Item {
   const int32_t* table = nullptr;
   int64_t len = 0;
   int64_t begin = 0;
+  float value_scale = 1.f;  // an 8-bit cache's: the output's factor (unused for a float cache)
 };
 
 // A logit soft cap (Gemma 2's): scores become cap * tanh(scores / cap), with tanh(x) as
@@ -206,12 +293,12 @@ __attribute__((always_inline)) inline void prefetch_after_jump(const Item<T>& it
 // heads share each key and value row while it is in cache. One pass with an online softmax over kLanes
 // positions at a time, whose scores form one vector. G and V (= dim / kLanes) are template arguments
 // so everything lives in registers.
-template <typename T, int G, int V>
+template <typename T, typename C, int G, int V>
 __attribute__((optimize("fp-contract=fast")))  // FMAs: attention need not match torch bit for bit
-void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next, int64_t block_size, float scale,
+void attend_one(T* out, const T* query, const Item<C>& item, const Item<C>& next, int64_t block_size, float scale,
                 float cap) {
   constexpr int64_t dim = V * kLanes;
-  const T *key_cache = item.keys, *value_cache = item.values;
+  const C *key_cache = item.keys, *value_cache = item.values;
   const int64_t len = item.len;
   vfloat q[G][V], acc[G][V] = {}, dots[G][kLanes];
   float max[G], sum[G] = {};
@@ -219,7 +306,7 @@ void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next
     for (int j = 0; j < V; ++j) q[g][j] = load(query + g * dim + j * kLanes);
     max[g] = -INFINITY;
   }
-  const T* keys[kLanes];
+  const C* keys[kLanes];
   // The next item's positions run `shift` behind (or ahead of) this one's, chunk by chunk.
   const int64_t shift = next.begin - item.begin;
   for (int64_t start = item.begin; start < len; start += kLanes) {
@@ -250,7 +337,7 @@ void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next
       for (int j = 0; j < V; ++j) acc[g][j] *= correction;
     }
     for (int64_t p = 0; p < count; ++p) {
-      const T* value = value_cache + (keys[p] - key_cache);
+      const C* value = value_cache + (keys[p] - key_cache);
       for (int j = 0; j < V; ++j) {
         vfloat row = load(value + j * kLanes);
         for (int g = 0; g < G; ++g) acc[g][j] += probs[g][p] * row;
@@ -259,7 +346,10 @@ void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next
   }
   for (int64_t start = len + shift; start < next.len; start += kLanes) prefetch_rows<2>(next, start, block_size, dim);
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < V; ++j) store(out + g * dim + j * kLanes, acc[g][j] / sum[g]);
+    for (int j = 0; j < V; ++j) {
+      if constexpr (std::is_same_v<T, C>) store(out + g * dim + j * kLanes, acc[g][j] / sum[g]);
+      else store(out + g * dim + j * kLanes, acc[g][j] / sum[g] * item.value_scale);
+    }
 }
 
 // attend_one for targets with 16 vector registers of 8 or 4 floats (AVX2, SSE; NEON has 32): the
@@ -271,14 +361,14 @@ void attend_one(T* out, const T* query, const Item<T>& item, const Item<T>& next
 // probability broadcast (10), the chunk's keys and values staying in L1 between heads. The lanes
 // past a short chunk read its first position again (valid memory) and get probability 0. The
 // queries are scaled once up front. docs/benchmarks.md ("Attention on AVX2") has what it gained.
-template <typename T, int G, int V>
+template <typename T, typename C, int G, int V>
 __attribute__((optimize("fp-contract=fast")))
-void attend_one_narrow(T* out, const T* query, const Item<T>& item, const Item<T>& next, int64_t block_size,
+void attend_one_narrow(T* out, const T* query, const Item<C>& item, const Item<C>& next, int64_t block_size,
                        float scale, float cap) {
   constexpr int64_t dim = V * kLanes;
   constexpr int QBlock = V < 4 ? V : 4, OutBlock = V < 8 ? V : 8;
   static_assert(V % QBlock == 0 && V % OutBlock == 0, "dim must be whole blocks of vectors");
-  const T *key_cache = item.keys, *value_cache = item.values;
+  const C *key_cache = item.keys, *value_cache = item.values;
   const int64_t len = item.len;
   alignas(64) float q[G][dim], acc[G][dim] = {};
   float max[G], sum[G] = {};
@@ -286,8 +376,8 @@ void attend_one_narrow(T* out, const T* query, const Item<T>& item, const Item<T
     for (int j = 0; j < V; ++j) store(q[g] + j * kLanes, load(query + g * dim + j * kLanes) * scale);
     max[g] = -INFINITY;
   }
-  const T* keys[kLanes];
-  const T* values[kLanes];
+  const C* keys[kLanes];
+  const C* values[kLanes];
   const int64_t shift = next.begin - item.begin;
   for (int64_t start = item.begin; start < len; start += kLanes) {
     const int64_t count = std::min<int64_t>(len - start, kLanes);
@@ -334,7 +424,8 @@ void attend_one_narrow(T* out, const T* query, const Item<T>& item, const Item<T
   }
   for (int64_t start = len + shift; start < next.len; start += kLanes) prefetch_rows<2>(next, start, block_size, dim);
   for (int g = 0; g < G; ++g) {
-    const float inverse = 1.f / sum[g];
+    float inverse = 1.f / sum[g];
+    if constexpr (!std::is_same_v<T, C>) inverse *= item.value_scale;
     for (int j = 0; j < V; ++j) store(out + g * dim + j * kLanes, load(acc[g] + j * kLanes) * inverse);
   }
 }
@@ -436,27 +527,28 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, c
 }
 #endif
 
-template <typename T>
-using AttendOne = void (*)(T*, const T*, const Item<T>&, const Item<T>&, int64_t, float, float);
+// T: the query's and output's type; C: the cache's (T, or an 8-bit type).
+template <typename T, typename C = T>
+using AttendOne = void (*)(T*, const T*, const Item<C>&, const Item<C>&, int64_t, float, float);
 
 // attend_one where vectors are 16 floats (32 registers), attend_one_narrow where they are 8 or 4.
-template <typename T, int G, int V>
-constexpr AttendOne<T> attend_for() {
-  if constexpr (kLanes == 16) return attend_one<T, G, V>;
-  else return attend_one_narrow<T, G, V>;
+template <typename T, typename C, int G, int V>
+constexpr AttendOne<T, C> attend_for() {
+  if constexpr (kLanes == 16) return attend_one<T, C, G, V>;
+  else return attend_one_narrow<T, C, G, V>;
 }
 
-template <typename T, int V>
-AttendOne<T> pick_group(int64_t group) {
+template <typename T, typename C, int V>
+AttendOne<T, C> pick_group(int64_t group) {
   switch (group) {
-    case 1: return attend_for<T, 1, V>();
-    case 2: return attend_for<T, 2, V>();
-    case 3: return attend_for<T, 3, V>();
-    case 4: return attend_for<T, 4, V>();
-    case 5: return attend_for<T, 5, V>();
-    case 6: return attend_for<T, 6, V>();
-    case 7: return attend_for<T, 7, V>();
-    case 8: return attend_for<T, 8, V>();
+    case 1: return attend_for<T, C, 1, V>();
+    case 2: return attend_for<T, C, 2, V>();
+    case 3: return attend_for<T, C, 3, V>();
+    case 4: return attend_for<T, C, 4, V>();
+    case 5: return attend_for<T, C, 5, V>();
+    case 6: return attend_for<T, C, 6, V>();
+    case 7: return attend_for<T, C, 7, V>();
+    case 8: return attend_for<T, C, 8, V>();
     default: return nullptr;
   }
 }
@@ -486,23 +578,26 @@ AttendOne<bf16> pick_group_bf16_dot(int64_t group) {
 // Python side only calls with dim 64 or 128 and at most 8 query heads per KV head. A sliding
 // `window` > 0 starts each token at position max(0, context_lens[t] - window) (it sees keys j with
 // position - window < j <= position); a soft `cap` > 0 caps the scaled scores before the softmax.
-template <typename T>
-void paged_attention(T* out, const T* query, const T* cache, const int32_t* block_tables,
+// A cache of 8-bit elements C holds what the scores and the output are scaled by: `scale` and
+// `value_scale` include the cache's scales (and E4M3's 2^8, see load(const e4m3*)).
+template <typename T, typename C = T>
+void paged_attention(T* out, const T* query, const C* cache, const int32_t* block_tables,
                      int64_t table_width, const int32_t* token_rows, const int32_t* context_lens,
                      int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
-                     int64_t block_size, float scale, int64_t window, float cap) {
+                     int64_t block_size, float scale, int64_t window, float cap, float value_scale = 1.f) {
   const int64_t group = heads / kv_heads, head_cache = num_blocks * block_size * dim;
-  AttendOne<T> one = dim == 64 ? pick_group<T, 64 / kLanes>(group) : pick_group<T, 128 / kLanes>(group);
+  AttendOne<T, C> one = dim == 64 ? pick_group<T, C, 64 / kLanes>(group) : pick_group<T, C, 128 / kLanes>(group);
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16>) one = dim == 64 ? pick_group_bf16_dot<2>(group) : pick_group_bf16_dot<4>(group);
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
+    one = dim == 64 ? pick_group_bf16_dot<2>(group) : pick_group_bf16_dot<4>(group);
 #endif
   const int64_t items = tokens * kv_heads;  // item i: token i / kv_heads, KV head i % kv_heads
   auto item_at = [&](int64_t item) {
     const int64_t t = item / kv_heads, kvh = item % kv_heads;
     const int64_t len = context_lens[t];
-    return Item<T>{cache + kvh * head_cache, cache + (kv_heads + kvh) * head_cache,
+    return Item<C>{cache + kvh * head_cache, cache + (kv_heads + kvh) * head_cache,
                    block_tables + token_rows[t] * table_width, len,
-                   window > 0 ? std::max<int64_t>(0, len - window) : 0};
+                   window > 0 ? std::max<int64_t>(0, len - window) : 0, value_scale};
   };
   // The item a thread takes after the current one is asked for into L2 a chunk at a time while the
   // current one computes: a decode's blocks are in no cache, and the kernel otherwise waits on
@@ -515,9 +610,9 @@ void paged_attention(T* out, const T* query, const T* cache, const int32_t* bloc
   // current's before they are read (long contexts; docs/benchmarks.md, "Long prompts").
   auto to_prefetch = [&](int64_t item) {
     const int64_t t = item / kv_heads;
-    if (item >= items || (t > 0 && token_rows[t] == token_rows[t - 1])) return Item<T>{};
-    const Item<T> next = item_at(item);
-    return (next.len - next.begin) * 2 * dim * int64_t(sizeof(T)) > kMaxPrefetchBytes ? Item<T>{} : next;
+    if (item >= items || (t > 0 && token_rows[t] == token_rows[t - 1])) return Item<C>{};
+    const Item<C> next = item_at(item);
+    return (next.len - next.begin) * 2 * dim * int64_t(sizeof(C)) > kMaxPrefetchBytes ? Item<C>{} : next;
   };
   // Dynamic scheduling by hand: a thread claims its next item before computing the current one,
   // so that it knows what to prefetch.
@@ -669,6 +764,38 @@ __attribute__((optimize("fp-contract=fast"))) int64_t fma_peak(int64_t rounds) {
                        block_size, scale, window, cap);                                              \
   }
 
+// The 8-bit cache's entry points: `e5m2` picks the code (E4M3 when 0); k_scale and v_scale are the
+// layer's (what each stored key and value was divided by).
+#define EXPORT_FP8(T, SUFFIX)                                                                        \
+  extern "C" void reshape_and_cache_fp8_##SUFFIX(                                                    \
+      void* cache, const void* key, int64_t key_stride, const void* value, int64_t value_stride,     \
+      const int64_t* slot_mapping, int64_t tokens, int64_t kv_heads, int64_t dim, int64_t num_slots,  \
+      int64_t e5m2_codes, float k_scale, float v_scale) {                                             \
+    if (e5m2_codes)                                                                                  \
+      reshape_and_cache_fp8<T, e5m2>((e5m2*)cache, (const T*)key, key_stride, (const T*)value,      \
+                                     value_stride, slot_mapping, tokens, kv_heads, dim, num_slots,  \
+                                     k_scale, v_scale);                                             \
+    else                                                                                             \
+      reshape_and_cache_fp8<T, e4m3>((e4m3*)cache, (const T*)key, key_stride, (const T*)value,      \
+                                     value_stride, slot_mapping, tokens, kv_heads, dim, num_slots,  \
+                                     k_scale, v_scale);                                             \
+  }                                                                                                  \
+  extern "C" void paged_attention_fp8_##SUFFIX(                                                      \
+      void* out, const void* query, const void* cache, const int32_t* block_tables,                  \
+      int64_t table_width, const int32_t* token_rows, const int32_t* context_lens, int64_t tokens,    \
+      int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks, int64_t block_size,          \
+      float scale, int64_t window, float cap, int64_t e5m2_codes, float k_scale, float v_scale) {    \
+    if (e5m2_codes)                                                                                  \
+      paged_attention<T, e5m2>((T*)out, (const T*)query, (const e5m2*)cache, block_tables,           \
+                               table_width, token_rows, context_lens, tokens, heads, kv_heads, dim,  \
+                               num_blocks, block_size, scale * k_scale, window, cap, v_scale);       \
+    else                                                                                             \
+      paged_attention<T, e4m3>((T*)out, (const T*)query, (const e4m3*)cache, block_tables,           \
+                               table_width, token_rows, context_lens, tokens, heads, kv_heads, dim,  \
+                               num_blocks, block_size, scale * k_scale * Fp8Format<e4m3>::kUnit,     \
+                               window, cap, v_scale * Fp8Format<e4m3>::kUnit);                       \
+  }
+
 extern "C" int64_t fma_peak_flop(int64_t rounds) { return fma_peak(rounds); }
 
 extern "C" void sample_rows_f32(int64_t* out, const float* logits, int64_t stride, int64_t rows,
@@ -678,3 +805,5 @@ extern "C" void sample_rows_f32(int64_t* out, const float* logits, int64_t strid
 
 EXPORT(float, f32)
 EXPORT(bf16, bf16)
+EXPORT_FP8(float, f32)
+EXPORT_FP8(bf16, bf16)

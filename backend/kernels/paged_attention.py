@@ -12,7 +12,8 @@ window a sequence's keys start at max(0, seq_len - window): the splits share onl
 before them are never read (the engine may have freed them). A soft cap bends the scores before the
 softmax, as Gemma 2 does. Attention sinks (gpt-oss: one learned logit per head in the softmax's
 denominator) start the first split's online softmax at (max = sink, sum = 1) instead of (-inf, 0).
-Reference: `reference.paged_attention_decode_reference`.
+An 8-bit cache (float8 E4M3 or E5M2) is read in the query's type, its key scale folded into the
+softmax scale and its value scale applied to each output once. Reference: `reference.paged_attention_decode_reference`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import functools
 import torch
 
 from backend.kernels.jit import dot_settings, tl, triton  # first: it sets up Triton
+from backend.kernels.reference import FP8_KV_DTYPES
 
 LOG2E = 1.4426950408889634
 TILE = 64  # keys per loop iteration
@@ -47,6 +49,7 @@ def _decode_kernel(
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     window,  # the sliding window; a huge number for none
     cap,  # the logit soft cap * log2(e), used where SOFT_CAP
+    v_scale,  # an 8-bit cache's value scale, used where FP8 (its key scale is in qk_scale)
     stride_q_seq, stride_q_head,
     stride_k_block, stride_k_slot, stride_k_head,
     stride_v_block, stride_v_slot, stride_v_head,
@@ -54,6 +57,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -94,7 +98,10 @@ def _decode_kernel(
                     + kv_head * stride_k_head + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(value_cache + block_ids[:, None] * stride_v_block + slots[:, None] * stride_v_slot
                     + kv_head * stride_v_head + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
+        if FP8:  # an 8-bit cache's codes in the query's type: exact (float8 fits in bfloat16)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
@@ -107,6 +114,8 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if FP8:  # the values' scale, once per output (the merge of splits is linear in acc)
+        acc = acc * v_scale
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT:
@@ -163,7 +172,8 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, out: torch.Tensor | None = None, *,
                            sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """query [S, H, D]; key/value_cache [num_blocks, block_size, KVH, D] (any strides, D contiguous);
     block_tables int32 [S, max_blocks]; seq_lens int32 [S] (0 marks a padded slot: zeros out).
     The options as in `reference.paged_attention_decode_reference`.
@@ -180,7 +190,8 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
     assert 1 <= num_splits <= MAX_SPLITS
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    upcast, precision = dot_settings(key_cache.dtype)
+    fp8 = key_cache.dtype in FP8_KV_DTYPES
+    upcast, precision = dot_settings(query.dtype if fp8 else key_cache.dtype)
     if num_splits > 1:
         partial_out = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32,
                                   device=query.device)
@@ -190,7 +201,8 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
         partial_out = partial_max = partial_sum = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, partial_out, partial_max, partial_sum,
-        sinks if sinks is not None else query, scale * LOG2E, window_arg(sliding_window), (logits_soft_cap or 1.0) * LOG2E,
+        sinks if sinks is not None else query, scale * k_scale * LOG2E, window_arg(sliding_window),
+        (logits_soft_cap or 1.0) * LOG2E, v_scale,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -198,6 +210,7 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
         SPLIT=num_splits > 1, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=TILE, BLOCK_D=block_d,
         UPCAST=upcast, PRECISION=precision, SOFT_CAP=logits_soft_cap is not None, HAS_SINKS=sinks is not None,
+        FP8=fp8,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

@@ -7,7 +7,7 @@ One program per (sequence, head, tile of BLOCK_M queries), flash-attention style
 over BLOCK_N-key tiles, stopping at the tile's last causal key. Under a sliding window the tiles
 start at the window of the program's first query, so blocks before it are never read. A head's
 attention sink (gpt-oss) starts its online softmax at (max = sink, sum = 1). The cache is
-read through strides, as in `paged_attention.py`. Reference: `reference.paged_attention_prefill_reference`.
+read through strides, and an 8-bit cache read with its scales, as in `paged_attention.py`. Reference: `reference.paged_attention_prefill_reference`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from backend.kernels.jit import dot_settings, tl, triton  # first: it sets up Triton
+from backend.kernels.reference import FP8_KV_DTYPES
 from backend.kernels.paged_attention import LOG2E, TILE, soft_cap, window_arg
 
 BLOCK_M = 64  # queries per program
@@ -27,6 +28,7 @@ def _prefill_kernel(
     qk_scale,  # softmax scale * log2(e)
     window,  # the sliding window; a huge number for none
     cap,  # the logit soft cap * log2(e), used where SOFT_CAP
+    v_scale,  # an 8-bit cache's value scale, used where FP8 (its key scale is in qk_scale)
     stride_q_token, stride_q_head,
     stride_k_block, stride_k_slot, stride_k_head,
     stride_v_block, stride_v_slot, stride_v_head,
@@ -34,6 +36,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -75,7 +78,10 @@ def _prefill_kernel(
                     + kv_head * stride_k_head + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(value_cache + block_ids[:, None] * stride_v_block + slots[:, None] * stride_v_slot
                     + kv_head * stride_v_head + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
+        if FP8:  # an 8-bit cache's codes in the query's type: exact (float8 fits in bfloat16)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
@@ -90,6 +96,8 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if FP8:  # the values' scale, once per output (the merge of splits is linear in acc)
+        acc = acc * v_scale
 
     result = acc / l_i[:, None]  # every valid query sees at least its own key
     tl.store(out + rows[:, None] * stride_out_token + head * stride_out_head + offs_d[None, :],
@@ -100,7 +108,8 @@ def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_
                             block_tables: torch.Tensor, query_starts: torch.Tensor,
                             seq_lens: torch.Tensor, max_query_len: int, scale: float,
                             out: torch.Tensor | None = None, *, sliding_window: int | None = None,
-                            logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """query [T, H, D], sequence i's queries at rows query_starts[i]:query_starts[i + 1] (int32,
     [P + 1]); seq_lens int32 [P] count each sequence's tokens, its new ones included; block_tables
     int32 [P, max_blocks]; key/value_cache [num_blocks, block_size, KVH, D] holding every key,
@@ -114,11 +123,13 @@ def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:
         return out
-    upcast, precision = dot_settings(key_cache.dtype)
+    fp8 = key_cache.dtype in FP8_KV_DTYPES
+    upcast, precision = dot_settings(query.dtype if fp8 else key_cache.dtype)
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, BLOCK_M))
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, query_starts, seq_lens, out,
-        sinks if sinks is not None else query, scale * LOG2E, window_arg(sliding_window), (logits_soft_cap or 1.0) * LOG2E,
+        sinks if sinks is not None else query, scale * k_scale * LOG2E, window_arg(sliding_window),
+        (logits_soft_cap or 1.0) * LOG2E, v_scale,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -126,5 +137,6 @@ def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=BLOCK_M, BLOCK_N=TILE, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         UPCAST=upcast, PRECISION=precision, SOFT_CAP=logits_soft_cap is not None, HAS_SINKS=sinks is not None,
+        FP8=fp8,
     )
     return out

@@ -45,22 +45,57 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Keys or values as a cache of `cache_dtype` holds them: as they are for a float cache; for an
+    8-bit one x / scale in float32, saturated at the type's largest value and rounded to nearest even."""
+    if cache_dtype not in FP8_KV_DTYPES:
+        return x.to(cache_dtype)
+    limit = torch.finfo(cache_dtype).max
+    return (x.float() / scale).clamp_(-limit, limit).to(cache_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """What a cache's keys or values stand for, in `dtype`: an 8-bit cache's codes times its scale
+    (in float32, then rounded), a float cache's as they are."""
+    if x.dtype not in FP8_KV_DTYPES:
+        return x.to(dtype)
+    return (fp8_to_float32(x) * scale).to(dtype)
+
+
+def fp8_to_float32(x: torch.Tensor) -> torch.Tensor:
+    """float8 E4M3 (fn) or E5M2 codes -> float32, exactly, in vectorised integer ops (torch converts
+    float8 one element at a time on the CPU): the code's bits moved into a float16's places (E5M2 is
+    a float16's top byte; E4M3's exponent and mantissa sit one bit lower, scaled back by 2^8)."""
+    code = x.view(torch.uint8).to(torch.int16)
+    if x.dtype == torch.float8_e5m2:
+        return (code << 8).view(torch.float16).float()
+    half = (((code & 0x7F) << 7) | ((code & 0x80) << 8)).view(torch.float16)
+    return half.float() * 256
+
+
 def reshape_and_cache_reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                                value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                                value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                                k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """key/value [T, KVH, D] into key/value_cache [num_blocks, block_size, KVH, D] (any strides) at
-    slot_mapping [T] (block * block_size + offset; negative slots are padding and not written)."""
+    slot_mapping [T] (block * block_size + offset; negative slots are padding and not written); an
+    8-bit cache stores them divided by k_scale / v_scale (`quantize_kv`)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = key_cache.shape[1]
-    for cache, new in ((key_cache, key[keep]), (value_cache, value[keep])):
-        cache[slots // block_size, slots % block_size] = new
+    for cache, new, scale in ((key_cache, key[keep], k_scale), (value_cache, value[keep], v_scale)):
+        # Indexed assignment, not index_put_ with accumulate or index_copy_: no float8 kernels for those.
+        cache[slots // block_size, slots % block_size] = quantize_kv(new, cache.dtype, scale)
 
 
 def paged_attention_decode_reference(query: torch.Tensor, key_cache: torch.Tensor,
                                      value_cache: torch.Tensor, block_tables: torch.Tensor,
                                      seq_lens: torch.Tensor, scale: float, *, sliding_window: int | None = None,
                                      logits_soft_cap: float | None = None,
-                                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                                     sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                                     v_scale: float = 1.0) -> torch.Tensor:
     """One query token per sequence over its cached context.
 
     query [S, H, D]; key/value_cache [num_blocks, block_size, KVH, D]; block_tables [S, max_blocks]
@@ -76,9 +111,11 @@ def paged_attention_decode_reference(query: torch.Tensor, key_cache: torch.Tenso
     num_kv_heads = key_cache.shape[2]
     blocks = block_tables.flatten()
     # [KVH, S, L, D], in the query's dtype (an fp8 cache converts as it is read)
-    keys = gather_blocks(key_cache, blocks).view(num_kv_heads, num_seqs, -1, head_dim).to(query.dtype)
+    keys = dequantize_kv(gather_blocks(key_cache, blocks), query.dtype, k_scale).view(num_kv_heads, num_seqs, -1,
+                                                                                      head_dim)
     values = (keys if value_cache.data_ptr() == key_cache.data_ptr()  # one latent cache (MLA): read it once
-              else gather_blocks(value_cache, blocks).view(num_kv_heads, num_seqs, -1, head_dim).to(query.dtype))
+              else dequantize_kv(gather_blocks(value_cache, blocks), query.dtype, v_scale).view(
+                  num_kv_heads, num_seqs, -1, head_dim))
     grouped = query.view(num_seqs, num_kv_heads, -1, head_dim).transpose(0, 1)  # [KVH, S, G, D]
     scores = torch.matmul(grouped, keys.transpose(2, 3)) * scale  # [KVH, S, G, L]
     if logits_soft_cap is not None:
@@ -143,12 +180,14 @@ def paged_attention_prefill_reference(query: torch.Tensor, key_cache: torch.Tens
                                       query_starts: torch.Tensor, seq_lens: torch.Tensor,
                                       scale: float, *, sliding_window: int | None = None,
                                       logits_soft_cap: float | None = None,
-                                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                                      sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                                      v_scale: float = 1.0) -> torch.Tensor:
     """Variable-length causal queries over the cache, which already holds their own keys.
 
     query [T, H, D] (sequence i's queries are rows query_starts[i]:query_starts[i + 1], the last
     tokens of its seq_lens[i]); key/value_cache [num_blocks, block_size, KVH, D]; block_tables
-    [P, max_blocks]. Returns [T, H, D]. The options as in `causal_attention_reference`."""
+    [P, max_blocks]. Returns [T, H, D]. The options as in `causal_attention_reference`; an 8-bit
+    cache's keys and values are read as `dequantize_kv` with k_scale / v_scale."""
     out = torch.empty_like(query)
     starts, lens = query_starts.tolist(), seq_lens.tolist()
     block_size = key_cache.shape[1]
@@ -156,8 +195,8 @@ def paged_attention_prefill_reference(query: torch.Tensor, key_cache: torch.Tens
         rows = slice(starts[i], starts[i + 1])
         num_query = starts[i + 1] - starts[i]
         blocks = block_tables[i, :-(-context_len // block_size)]
-        k = gather_blocks(key_cache, blocks)[:, :context_len]  # [KVH, L, D]
-        v = gather_blocks(value_cache, blocks)[:, :context_len]
+        k = dequantize_kv(gather_blocks(key_cache, blocks)[:, :context_len], query.dtype, k_scale)  # [KVH, L, D]
+        v = dequantize_kv(gather_blocks(value_cache, blocks)[:, :context_len], query.dtype, v_scale)
         positions = torch.arange(num_query, device=query.device) + context_len - num_query
         attended = causal_attention_reference(query[rows].transpose(0, 1), k, v, positions, scale,
                                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,

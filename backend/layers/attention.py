@@ -45,6 +45,9 @@ class Attention(nn.Module):
         self.sliding_window = args.sliding_windows[layer_id] if args.sliding_windows else None
         self.logits_soft_cap = args.attn_logit_softcap
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if args.attention_sinks else None  # this rank's heads
+        # An 8-bit KV cache holds keys / k_scale and values / v_scale: the checkpoint's scales where it
+        # has them (backend/models/loading.py), else 1.0, as vLLM's default.
+        self.k_scale, self.v_scale = 1.0, 1.0
         q = Part(args.num_heads * args.head_dim, self.q_size, output_rows(parallel))
         kv = Part(args.num_kv_heads * args.head_dim, self.kv_size, head_rows(parallel, args.num_kv_heads))
         self.weight_loaders = {"qkv_proj": packed([q, kv, kv], tp), "o_proj": row_parallel(parallel),
@@ -62,5 +65,6 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, k, cos, sin)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         out = ops.paged_attention(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
-                                  logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
+                                  logits_soft_cap=self.logits_soft_cap, sinks=self.sinks,
+                                  k_scale=self.k_scale, v_scale=self.v_scale)
         return parallel_state.all_reduce(self.o_proj(out), self.parallel)

@@ -99,7 +99,7 @@ def linear_silu_and_mul(gate_up: torch.nn.Module, x: torch.Tensor) -> torch.Tens
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                     sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Write the step's keys and values into the cache, then attend. query [T, H, D], key/value
     [T, KVH, D], kv_cache [2, KVH, num_blocks, block_size, D]. Returns [T, H * D].
 
@@ -107,13 +107,15 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     keys j with i - window < j <= i; a soft cap turns the scaled scores s into cap * tanh(s / cap)
     before the softmax; `sinks` [H] (gpt-oss) join each head's softmax denominator as one more logit
     that attends to nothing. Every path takes all three; blocks wholly before a token's window are
-    never read."""
-    options: dict[str, Any] = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
+    never read. An 8-bit cache (float8 E4M3 or E5M2) holds keys / k_scale and values / v_scale, and
+    every path reads them back times their scale (`reference.quantize_kv`, `dequantize_kv`)."""
+    options: dict[str, Any] = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                                   k_scale=k_scale, v_scale=v_scale)
     if not _use_triton(query):
         return attention.paged_attention(query, key, value, kv_cache, meta, scale, **options)
     kernels = _triton()
     key_cache, value_cache = attention.cache_views(kv_cache)
-    kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
     num_tokens, num_heads, head_dim = query.shape
     out = query.new_empty(num_tokens, num_heads, head_dim)
     num_decodes = meta.num_decodes

@@ -6,8 +6,9 @@ turn. The C++ kernel of `backend/ops/cpu_ops.py` attends the decodes and short c
 reading the blocks in place a token at a time. Prefill chunks of FLASH_MIN_QUERY_TOKENS or more go
 through `flash_prefill`: torch's blocked CPU flash attention over the chunk's own new keys, then over
 its cached prefix a tile of blocks at a time, the parts merged by their log-sum-exp (no [Tq, L] score
-matrix, no copy of the whole context). Where the C++ kernel does not apply (an fp8 cache, other head
-sizes, sinks, a one-part cache), decodes run as one batched, masked attention over gathered blocks
+matrix, no copy of the whole context). An 8-bit (fp8) cache takes the same paths: the C++ kernels
+quantize as they write and dequantize as they read, `flash_prefill` dequantizes its gathered tiles.
+Where the C++ kernel does not apply (other head sizes, sinks, a one-part cache), decodes run as one batched, masked attention over gathered blocks
 and every prefill chunk through `flash_prefill`, or, under a sliding window that hides part of it or
 a soft cap, through the torch reference. A chunk holding bidirectional ranges (Gemma 3's images)
 always takes the torch reference, on every path. On CUDA, `backend/ops/__init__.py` runs the Triton
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from backend.ops import cpu_ops
-from backend.kernels.reference import causal_attention_reference, gather_blocks, paged_attention_decode_reference
+from backend.kernels.reference import (FP8_KV_DTYPES, causal_attention_reference, dequantize_kv, gather_blocks,
+                                      paged_attention_decode_reference, quantize_kv, reshape_and_cache_reference)
 
 
 # Prefill chunks of this many query tokens or more run on torch's blocked flash attention instead of
@@ -81,46 +83,44 @@ def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                     sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D], kv_cache [2, KVH, num_blocks, block_size, D].
     Returns [T, H * D]. The options as in `ops.paged_attention`; the C++ kernel starts each token
     at its window, never reading blocks before it (the engine may have freed them)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[1]
     fused = (cpu_ops.supports(query) and head_dim in (64, 128) and num_heads // num_kv_heads <= 8
-             and kv_cache.dtype == query.dtype  # an fp8 cache takes the torch path, converting at its edges
+             and kv_cache.dtype in (query.dtype, *FP8_KV_DTYPES)
              and meta.token_rows is not None and sinks is None and kv_cache.shape[0] == 2)
     if fused:
-        cpu_ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
-        return _fused_attention(query, key, value, kv_cache, meta, scale, sliding_window, logits_soft_cap)
-    key_slots = kv_cache[0].view(num_kv_heads, -1, head_dim)  # [KVH, num_slots, D]
-    value_slots = kv_cache[-1].view(num_kv_heads, -1, head_dim)
-    # Indexed assignment, not index_copy_, which has no float8 kernel on the CPU.
-    key_slots[:, meta.slot_mapping] = key.transpose(0, 1).to(kv_cache.dtype)
-    value_slots[:, meta.slot_mapping] = value.transpose(0, 1).to(kv_cache.dtype)
+        cpu_ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        return _fused_attention(query, key, value, kv_cache, meta, scale, sliding_window, logits_soft_cap,
+                                k_scale, v_scale)
     key_cache, value_cache = cache_views(kv_cache)
+    reshape_and_cache_reference(key, value, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
 
     outputs = []
     if meta.num_decodes:
         out = paged_attention_decode_reference(query[:meta.num_decodes], key_cache, value_cache,
                                                meta.decode_block_tables, meta.decode_seq_lens, scale,
                                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                               sinks=sinks)
+                                               sinks=sinks, **scales)
         outputs.append(out.reshape(meta.num_decodes, num_heads * head_dim))
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_query_tokens)
         if flash_takes(span, sliding_window, logits_soft_cap):
-            out = flash_prefill(query[rows], key[rows], value[rows], kv_cache, span, scale, sinks=sinks)
+            out = flash_prefill(query[rows], key[rows], value[rows], kv_cache, span, scale, sinks=sinks, **scales)
         else:
             out = reference_prefill(query[rows], kv_cache, span, scale, sliding_window=sliding_window,
-                                    logits_soft_cap=logits_soft_cap, sinks=sinks)
+                                    logits_soft_cap=logits_soft_cap, sinks=sinks, **scales)
         outputs.append(out.reshape(span.num_query_tokens, num_heads * head_dim))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, sliding_window: int | None,
-                     logits_soft_cap: float | None) -> torch.Tensor:
+                     logits_soft_cap: float | None, k_scale: float, v_scale: float) -> torch.Tensor:
     """The C++ kernel for the decodes and short prefill chunks (reading the blocks in place, one
     token at a time), `flash_prefill` for chunks of at least FLASH_MIN_QUERY_TOKENS it takes."""
     num_tokens, num_heads, head_dim = query.shape
@@ -129,7 +129,7 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if not long_spans:
         out = cpu_ops.paged_attention(query, kv_cache, meta.block_tables, meta.token_rows,
                                       meta.token_context_lens, scale, sliding_window=sliding_window,
-                                      logits_soft_cap=logits_soft_cap)
+                                      logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
         return out.view(num_tokens, num_heads * head_dim)
     pieces, kernel_from = [], 0  # the tokens between the long chunks go to the C++ kernel, a run at a time
     for span in long_spans + [PrefillSpan(num_tokens, 0, 0, meta.block_tables[:0])]:
@@ -137,13 +137,14 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             rows = slice(kernel_from, span.start)
             pieces.append(cpu_ops.paged_attention(query[rows], kv_cache, meta.block_tables, meta.token_rows[rows],
                                                   meta.token_context_lens[rows], scale, sliding_window=sliding_window,
-                                                  logits_soft_cap=logits_soft_cap))
+                                                  logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale))
         rows = slice(span.start, span.start + span.num_query_tokens)
         if span.bidirectional:
             pieces.append(reference_prefill(query[rows], kv_cache, span, scale, sliding_window=sliding_window,
-                                            logits_soft_cap=logits_soft_cap))
+                                            logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale))
         elif span.num_query_tokens:
-            pieces.append(flash_prefill(query[rows], key[rows], value[rows], kv_cache, span, scale))
+            pieces.append(flash_prefill(query[rows], key[rows], value[rows], kv_cache, span, scale,
+                                        k_scale=k_scale, v_scale=v_scale))
         kernel_from = rows.stop
     # One piece (a lone long prompt) is returned as it is: no copy into a fresh buffer, whose first
     # touch alone (page faults) cost as much as the copy.
@@ -159,13 +160,13 @@ def flash_takes(span: PrefillSpan, sliding_window: int | None, logits_soft_cap: 
 
 def reference_prefill(query: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float, *,
                       sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One prefill chunk's queries [Tq, H, D] over its whole context, gathered from the cache (which
     already holds the chunk's own keys), through the torch reference: any window, soft cap, sinks
     and bidirectional ranges. Returns [Tq, H, D]."""
     key_cache, value_cache = cache_views(kv_cache)
-    k = gather_blocks(key_cache, span.block_table)[:, :span.context_len].to(query.dtype)
-    v = gather_blocks(value_cache, span.block_table)[:, :span.context_len].to(query.dtype)
+    k = dequantize_kv(gather_blocks(key_cache, span.block_table)[:, :span.context_len], query.dtype, k_scale)
+    v = dequantize_kv(gather_blocks(value_cache, span.block_table)[:, :span.context_len], query.dtype, v_scale)
     positions = torch.arange(span.num_query_tokens, device=query.device) + span.context_len - span.num_query_tokens
     return causal_attention_reference(query.transpose(0, 1), k, v, positions, scale, sliding_window=sliding_window,
                                       logits_soft_cap=logits_soft_cap, sinks=sinks,
@@ -173,18 +174,22 @@ def reference_prefill(query: torch.Tensor, kv_cache: torch.Tensor, span: Prefill
 
 
 def flash_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                  span: PrefillSpan, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  span: PrefillSpan, scale: float, sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor:
     """One prefill chunk's attention in tiles: query [Tq, H, D] causally over its own new keys and
     values [Tq, KVH, D], then over its cached prefix PREFIX_TILE_TOKENS positions at a time,
     gathered from the paged cache tile by tile. Each part runs torch's blocked CPU flash attention
     (which never forms the [Tq, L] scores and multiplies on oneDNN, AMX where the CPU has it) and
     returns its log-sum-exp, by which the parts merge as one softmax; `sinks` [H] then join each
-    head's denominator. Returns [Tq, H, D]."""
+    head's denominator. An 8-bit cache's tiles are dequantized as they are gathered, and the chunk's
+    own keys and values pass through its rounding (`quantize_kv`, then back), so that every key is
+    read as the cache holds it. Returns [Tq, H, D]."""
     num_query, num_kv_heads, head_dim = key.shape
     cached = span.context_len - num_query
     q = query.transpose(0, 1).unsqueeze(0)  # [1, H, Tq, D]
-    if cached and kv_cache.dtype != query.dtype:  # the chunk's keys as its prefix's: through the cache's type
-        key, value = key.to(kv_cache.dtype).to(query.dtype), value.to(kv_cache.dtype).to(query.dtype)
+    if kv_cache.dtype != query.dtype:  # the chunk's keys as its prefix's: through the cache's type
+        key = dequantize_kv(quantize_kv(key, kv_cache.dtype, k_scale), query.dtype, k_scale)
+        value = dequantize_kv(quantize_kv(value, kv_cache.dtype, v_scale), query.dtype, v_scale)
     out, lse = _flash(q, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0), scale, causal=True)
     if not cached and sinks is None:
         return out[0].transpose(0, 1)
@@ -196,8 +201,8 @@ def flash_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k
         length = min(cached - first * block_size, tile_blocks * block_size)
         k = kv_cache[0].index_select(1, blocks).view(num_kv_heads, -1, head_dim)[:, :length]
         v = kv_cache[-1].index_select(1, blocks).view(num_kv_heads, -1, head_dim)[:, :length]
-        tile_out, tile_lse = _flash(q, k.to(query.dtype).unsqueeze(0), v.to(query.dtype).unsqueeze(0), scale,
-                                    causal=False)
+        tile_out, tile_lse = _flash(q, dequantize_kv(k, query.dtype, k_scale).unsqueeze(0),
+                                    dequantize_kv(v, query.dtype, v_scale).unsqueeze(0), scale, causal=False)
         merged = torch.logaddexp(lse, tile_lse)
         out.mul_((lse - merged).exp_().unsqueeze(-1)).addcmul_(tile_out, (tile_lse - merged).exp_().unsqueeze(-1))
         lse = merged

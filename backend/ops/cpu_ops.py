@@ -6,7 +6,8 @@ and bfloat16 linear layers with their weights prepacked, for that kernel or for 
 `available()` is False when there is no compiler, the build fails (logged, with what to install),
 or TRITONLLM_CPU_KERNELS=0; `backend/ops/__init__.py` then runs the torch references instead, with the same
 results. float32 and bfloat16 rows of multiples of 16 floats only (other shapes and types take the
-references); the sampler takes float32 logits of any width. Also the CPU KV cache's allocation on
+references); the sampler takes float32 logits of any width. The KV cache may also be 8-bit (float8
+E4M3 or E5M2, `FP8_CACHES`), which reshape_and_cache and paged_attention quantize and read. Also the CPU KV cache's allocation on
 huge pages.
 
 The build targets this CPU (-march=native) unless TRITONLLM_CPU_ARCH names another -march
@@ -56,6 +57,10 @@ SIGNATURES = {
     "paged_attention": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i64, f32],
     "sample_rows": [ptr, ptr, i64, i64, i64, ptr, ptr],
     "lora": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64],
+    # An 8-bit cache: the float cache's arguments, then E5M2 (else E4M3), k_scale, v_scale.
+    "reshape_and_cache_fp8": [ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, f32],
+    "paged_attention_fp8": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i64, f32,
+                            i64, f32, f32],
 }
 FLOAT32_ONLY = {"sample_rows"}  # logits are float32 whatever the model's dtype
 
@@ -268,20 +273,31 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
     return out
 
 
+FP8_CACHES = (torch.float8_e4m3fn, torch.float8_e5m2)  # the 8-bit caches the kernels read and write
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    """key/value [T, KVH, D] (rows may be strided) into kv_cache [2, KVH, num_blocks, block_size, D]."""
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """key/value [T, KVH, D] (rows may be strided) into kv_cache [2, KVH, num_blocks, block_size, D]:
+    of their dtype, or 8-bit (FP8_CACHES) holding key / k_scale and value / v_scale, rounded as
+    `reference.quantize_kv` rounds them."""
     tokens, kv_heads, dim = key.shape
     num_slots = kv_cache.shape[2] * kv_cache.shape[3]
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
-    _call("reshape_and_cache", key.dtype, kv_cache.data_ptr(), key.data_ptr(), key.stride(0), value.data_ptr(),
-          value.stride(0), slot_mapping.data_ptr(), tokens, kv_heads, dim, num_slots)
+    args = (kv_cache.data_ptr(), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+            slot_mapping.data_ptr(), tokens, kv_heads, dim, num_slots)
+    if kv_cache.dtype in FP8_CACHES:
+        _call("reshape_and_cache_fp8", key.dtype, *args, kv_cache.dtype == torch.float8_e5m2, k_scale, v_scale)
+    else:
+        _call("reshape_and_cache", key.dtype, *args)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     token_rows: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
-                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
-    """query [T, H, D]; kv_cache [2, KVH, num_blocks, block_size, D]; block_tables [S, W], token_rows
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """query [T, H, D]; kv_cache [2, KVH, num_blocks, block_size, D] of query's dtype or 8-bit
+    (FP8_CACHES: keys read as code * k_scale, values as code * v_scale); block_tables [S, W], token_rows
     and context_lens [T] int32: token t attends to the first context_lens[t] positions of the
     sequence in row token_rows[t] (a decode: all of it; a prefill token: up to itself), or with a
     sliding window to the last `sliding_window` of them only (the blocks before are not read, so
@@ -294,10 +310,13 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     token_rows = token_rows.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty_like(query)
-    _call("paged_attention", query.dtype, out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(),
-          block_tables.data_ptr(), block_tables.shape[1], token_rows.data_ptr(), context_lens.data_ptr(),
-          tokens, heads, kv_heads, dim, num_blocks, block_size, scale, sliding_window or 0,
-          logits_soft_cap or 0.0)
+    args = (out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+            token_rows.data_ptr(), context_lens.data_ptr(), tokens, heads, kv_heads, dim, num_blocks, block_size,
+            scale, sliding_window or 0, logits_soft_cap or 0.0)
+    if kv_cache.dtype in FP8_CACHES:
+        _call("paged_attention_fp8", query.dtype, *args, kv_cache.dtype == torch.float8_e5m2, k_scale, v_scale)
+    else:
+        _call("paged_attention", query.dtype, *args)
     return out
 
 

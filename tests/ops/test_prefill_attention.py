@@ -65,23 +65,27 @@ def make_step(sequences, heads: int, kv_heads: int, head_dim: int, dtype: torch.
     return query, key, value, cache, meta
 
 
-def expected_attention(query, key, value, cache, meta, scale, sinks=None, sliding_window=None):
+def expected_attention(query, key, value, cache, meta, scale, sinks=None, sliding_window=None, k_scale=1.0,
+                       v_scale=1.0):
     """The references: the step's keys written into a copy of the cache, then decode and prefill."""
     cache = cache.clone()
     key_cache, value_cache = cache_views(cache)
-    flat_keys = key_cache.reshape(-1, *key_cache.shape[2:])
-    flat_keys[meta.slot_mapping] = key
-    if cache.shape[0] == 2:
-        value_cache.reshape(-1, *value_cache.shape[2:])[meta.slot_mapping] = value
+    if cache.dtype in reference.FP8_KV_DTYPES:  # quantized as they are written
+        reference.reshape_and_cache_reference(key, value, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
+    else:
+        flat_keys = key_cache.reshape(-1, *key_cache.shape[2:])
+        flat_keys[meta.slot_mapping] = key
+        if cache.shape[0] == 2:
+            value_cache.reshape(-1, *value_cache.shape[2:])[meta.slot_mapping] = value
+    options = dict(sinks=sinks, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
     parts = []
     if meta.num_decodes:
         parts.append(reference.paged_attention_decode_reference(query[:meta.num_decodes], key_cache, value_cache,
                                                                 meta.decode_block_tables, meta.decode_seq_lens,
-                                                                scale, sinks=sinks, sliding_window=sliding_window))
+                                                                scale, **options))
     parts.append(reference.paged_attention_prefill_reference(query[meta.num_decodes:], key_cache, value_cache,
                                                              meta.prefill_block_tables, meta.prefill_query_starts,
-                                                             meta.prefill_seq_lens, scale, sinks=sinks,
-                                                             sliding_window=sliding_window))
+                                                             meta.prefill_seq_lens, scale, **options))
     return torch.cat(parts).flatten(1)
 
 
@@ -114,6 +118,35 @@ def test_mixed_step_matches_reference(dtype, heads, kv_heads, head_dim, path):
     scale = head_dim ** -0.5
     expected = expected_attention(query, key, value, cache, meta, scale)
     actual = attention.paged_attention(query, key, value, cache, meta, scale)
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["fused", "torch", "triton"])
+def test_fp8_cache_step_matches_reference(dtype, cache_dtype, path):
+    """An 8-bit cache (kv_cache_dtype fp8) on each path of a mixed step: the C++ kernel's (decodes and
+    the short chunk; the long chunks in flash tiles, dequantized as gathered), the torch path's and the
+    Triton kernels' (on CUDA, else through the interpreter). The references write and read the same
+    codes with the same scales, so a path differs from them by its sums' order only (the flash tiles
+    take the chunk's own keys through the cache's rounding too)."""
+    torch.manual_seed(6)
+    query, key, value, cache, meta = make_step(SEQUENCES, 9, 3, 64, dtype)
+    k_scale, v_scale = 0.05, 0.8  # neither 1: a scale left out or swapped shows
+    cache = torch.stack([reference.quantize_kv(cache[0], cache_dtype, k_scale),
+                         reference.quantize_kv(cache[1], cache_dtype, v_scale)])
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    expected = expected_attention(query, key, value, cache, meta, 0.125, **scales)
+    if path == "triton" and DEVICE.type == "cuda":
+        tensors = [t.to(DEVICE) for t in (query, key, value, cache)]
+        actual = ops.paged_attention(*tensors, on_device(meta), 0.125, **scales).cpu()
+    elif path == "triton":
+        with ops.triton_kernels():
+            actual = ops.paged_attention(query, key, value, cache, meta, 0.125, **scales)
+    else:
+        if path == "torch":
+            meta.token_rows = None
+        actual = attention.paged_attention(query, key, value, cache, meta, 0.125, **scales)
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
 
 

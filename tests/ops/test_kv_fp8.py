@@ -1,0 +1,133 @@
+"""The 8-bit KV cache (kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2) on each attention path: the C++
+CPU kernels and the Triton kernels (on the CPU through the interpreter) against the torch
+references, which quantize keys and values as x / scale rounded to float8 and read them back as
+code * scale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Imported at collection, before anything else can import Triton without the interpreter.
+from backend.kernels import reference
+from backend.kernels.cache import reshape_and_cache
+from backend.kernels.paged_attention import paged_attention_decode
+from backend.kernels.prefill_attention import paged_attention_prefill
+from backend.ops import cpu_ops
+from backend.ops.attention import cache_views
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+DTYPES = [torch.float32, torch.bfloat16]
+SCALES = (0.05, 0.8)  # k_scale, v_scale: neither 1, so that a scale left out or swapped shows
+# An attention output against the reference, both over the same 8-bit cache: the same codes, read
+# alike, so only the kernels' sums differ.
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def values_to_store(dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.Tensor:
+    """[3 rows, 2 KV heads, 64]: normal values, values in the 8-bit type's subnormal range (as
+    multiples of the scale) and some past its largest value (saturated)."""
+    torch.manual_seed(0)
+    tiny = torch.finfo(cache_dtype).smallest_normal
+    rows = [torch.randn(2, 64) * 4, torch.randn(2, 64) * tiny * 2, torch.randn(2, 64) * torch.finfo(cache_dtype).max]
+    return (torch.stack(rows) * SCALES[0]).to(dtype)
+
+
+def test_float8_codes_read_as_torch_reads_them():
+    codes = torch.arange(256, dtype=torch.uint8)
+    for cache_dtype in FP8:
+        as_float = codes.view(cache_dtype).float()
+        finite = as_float.isfinite()
+        assert torch.equal(reference.fp8_to_float32(codes.view(cache_dtype))[finite], as_float[finite])
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_reshape_and_cache_rounds_as_torch(dtype, cache_dtype):
+    """The C++ write gives torch's float8 rounding of x / scale (clamped), code for code."""
+    key = values_to_store(dtype, cache_dtype)
+    value = key.flip(0) * (SCALES[1] / SCALES[0])
+    cache = torch.zeros(2, 2, 4, 16, 64, dtype=torch.uint8).view(cache_dtype)
+    expected = cache.clone()
+    slots = torch.tensor([5, -1, 40])
+    reference.reshape_and_cache_reference(key, value, *cache_views(expected), slots, *SCALES)
+    cpu_ops.reshape_and_cache(key, value, cache, slots, *SCALES)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    stored = reference.dequantize_kv(cache[0].view(2, -1, 64)[:, 5], torch.float32, SCALES[0])
+    assert torch.equal(stored, reference.dequantize_kv(reference.quantize_kv(key[0].transpose(0, 0), cache_dtype,
+                                                                             SCALES[0]), torch.float32, SCALES[0]))
+
+
+def random_fp8_cache(kv_heads: int, num_blocks: int, head_dim: int, cache_dtype: torch.dtype) -> torch.Tensor:
+    """A cache [2, KVH, blocks, 16, D] of the codes of random keys and values at SCALES."""
+    cache = torch.randn(2, kv_heads, num_blocks, 16, head_dim)
+    return torch.stack([reference.quantize_kv(cache[0], cache_dtype, SCALES[0]),
+                        reference.quantize_kv(cache[1], cache_dtype, SCALES[1])])
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 2, 128)])
+def test_cpu_attention_over_fp8_cache_matches_reference(dtype, cache_dtype, heads, kv_heads, head_dim):
+    """Decodes (over contexts past the kernel's prefetch bound too) and a prefill chunk after a
+    cached prefix, in one call of the C++ kernel, against the references over the same codes."""
+    torch.manual_seed(0)
+    num_blocks = 400
+    cache = random_fp8_cache(kv_heads, num_blocks, head_dim, cache_dtype)
+    seq_lens = [1, 17, 250, 3000]
+    width = -(-max(seq_lens) // 16)
+    tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in range(len(seq_lens) + 1)]).to(torch.int32)
+    query = torch.randn(len(seq_lens) + 30, heads, head_dim, dtype=dtype)
+    rows = torch.tensor(list(range(len(seq_lens))) + [len(seq_lens)] * 30, dtype=torch.int32)
+    lens = torch.tensor(seq_lens + list(range(41, 71)), dtype=torch.int32)  # 30 tokens after 40 cached
+    scale = head_dim ** -0.5
+    actual = cpu_ops.paged_attention(query, cache, tables, rows, lens, scale, k_scale=SCALES[0], v_scale=SCALES[1])
+    key_cache, value_cache = cache_views(cache)
+    expected_decode = reference.paged_attention_decode_reference(
+        query[:len(seq_lens)], key_cache, value_cache, tables[:len(seq_lens)], lens[:len(seq_lens)], scale,
+        k_scale=SCALES[0], v_scale=SCALES[1])
+    expected_prefill = reference.paged_attention_prefill_reference(
+        query[len(seq_lens):], key_cache, value_cache, tables[len(seq_lens):], torch.tensor([0, 30]),
+        torch.tensor([70]), scale, k_scale=SCALES[0], v_scale=SCALES[1])
+    torch.testing.assert_close(actual.float(), torch.cat([expected_decode, expected_prefill]).float(),
+                               **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_reshape_and_cache_rounds_as_torch(dtype, cache_dtype):
+    key = values_to_store(dtype, cache_dtype)
+    value = key.flip(0) * (SCALES[1] / SCALES[0])
+    cache = torch.zeros(2, 2, 4, 16, 64, dtype=torch.uint8).view(cache_dtype)
+    expected = cache.clone()
+    slots = torch.tensor([5, -1, 40])
+    reference.reshape_and_cache_reference(key, value, *cache_views(expected), slots, *SCALES)
+    reshape_and_cache(key, value, *cache_views(cache), slots, *SCALES)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_attention_over_fp8_cache_matches_reference(dtype, cache_dtype):
+    """The decode and prefill kernels (through the interpreter) read an 8-bit cache with its scales."""
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, num_blocks = 4, 2, 64, 24
+    cache = random_fp8_cache(kv_heads, num_blocks, head_dim, cache_dtype)
+    key_cache, value_cache = cache_views(cache)
+    scale = head_dim ** -0.5
+    seq_lens = torch.tensor([1, 70, 33], dtype=torch.int32)
+    tables = torch.randperm(num_blocks)[:15].view(3, 5).to(torch.int32)
+    query = torch.randn(3, heads, head_dim, dtype=dtype)
+    actual = paged_attention_decode(query, key_cache, value_cache, tables, seq_lens, scale,
+                                    k_scale=SCALES[0], v_scale=SCALES[1])
+    expected = reference.paged_attention_decode_reference(query, key_cache, value_cache, tables, seq_lens, scale,
+                                                          k_scale=SCALES[0], v_scale=SCALES[1])
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
+    starts = torch.tensor([0, 20, 21], dtype=torch.int32)  # 20 tokens after 50 cached, one after 32
+    query = torch.randn(21, heads, head_dim, dtype=dtype)
+    lens = torch.tensor([70, 33], dtype=torch.int32)
+    actual = paged_attention_prefill(query, key_cache, value_cache, tables[1:], starts, lens, 20, scale,
+                                     k_scale=SCALES[0], v_scale=SCALES[1])
+    expected = reference.paged_attention_prefill_reference(query, key_cache, value_cache, tables[1:], starts, lens,
+                                                           scale, k_scale=SCALES[0], v_scale=SCALES[1])
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
