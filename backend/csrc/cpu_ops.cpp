@@ -16,7 +16,7 @@
 
 #include <omp.h>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -142,9 +142,16 @@ template <typename C> __attribute__((always_inline)) inline vfloat load_fp8(cons
   vhalf code = __builtin_convertvector(bytes, vhalf);
   if constexpr (std::is_same_v<C, e5m2>) code <<= 8;
   else code = ((code & 0x7f) << 7) | ((code & 0x80) << 8);
+  // GCC turns the generic float16 conversion into one scalar conversion per lane: the instruction.
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_cvtph_ps((__m256i)code);
+#elif defined(__F16C__)
+  return (vfloat)_mm256_cvtph_ps((__m128i)code);
+#else
   vfloat16 half;
   std::memcpy(&half, &code, sizeof half);
   return __builtin_convertvector(half, vfloat);
+#endif
 }
 __attribute__((always_inline)) inline vfloat load(const e4m3* p) { return load_fp8(p); }
 __attribute__((always_inline)) inline vfloat load(const e5m2* p) { return load_fp8(p); }
