@@ -24,7 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATION_METHODS = ("awq", "gptq", "fp8", "int8", "gguf")  # backend/quantization/
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 is E4M3
 
 
 @dataclass
@@ -79,7 +79,8 @@ class EngineConfig:
         "help": "weights: awq, gptq (from such checkpoints), fp8, int8 (a float checkpoint quantized at load); "
                 "default: the checkpoint's quantization_config (gguf for a .gguf model)"})
     kv_cache_dtype: str = field(default="auto", metadata={
-        "help": "auto (the activation dtype) or fp8 (float8 E4M3, scale 1.0; CPU only for now)"})
+        "help": "auto (the activation dtype), fp8 or fp8_e4m3 (float8 E4M3), fp8_e5m2: 1 byte per element; "
+                "per-layer k/v scales from the checkpoint (k_scale, v_scale), else 1.0"})
     # Given as JSON text or a dict; a SpeculativeConfig (or None) once constructed.
     speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata={
         "help": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "

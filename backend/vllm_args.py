@@ -124,7 +124,7 @@ VLLM_ENGINE_ARGS: dict[str, VllmArg] = {
     "guided_decoding_disable_additional_properties": ignored("structured outputs always compile with xgrammar"),
     "structured_outputs_config": ignored("structured outputs always compile with xgrammar"),
     "enable_sleep_mode": ignored("the engine has no sleep mode; unload the Triton model to free memory"),
-    "calculate_kv_scales": ignored("the fp8 KV cache uses scale 1.0"),
+    "calculate_kv_scales": ignored("the fp8 KV cache uses the checkpoint's k/v scales, else 1.0"),
     "tokenizer_pool_size": ignored("tokenizing happens on the requests' threads"),
     "tokenizer_pool_type": ignored("tokenizing happens on the requests' threads"),
     "tokenizer_pool_extra_config": ignored("tokenizing happens on the requests' threads"),

@@ -45,6 +45,17 @@ def packed_target(name: str, mapping: dict[str, tuple[str, int]]) -> tuple[str, 
     return ".".join([*module, target, tensor]), part
 
 
+def kv_cache_scale(name: str) -> tuple[str, list[str]] | None:
+    """An 8-bit KV cache's scale in a checkpoint, under the names vLLM reads (`self_attn.k_scale`,
+    `self_attn.k_proj.k_scale`, the older `kv_scale` for both): (the attention block's path, its
+    attributes), else None."""
+    *path, leaf = name.split(".")
+    if leaf not in ("k_scale", "v_scale", "kv_scale") or "self_attn" not in path:
+        return None
+    path = path[:path.index("self_attn") + 1]
+    return ".".join(path), ["k_scale", "v_scale"] if leaf == "kv_scale" else [leaf]
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Fill `model`'s parameters from a checkpoint's (name, tensor) pairs, then let layers rework
     what they loaded (`after_load`). Refuses a tensor no parameter takes and a parameter no tensor
@@ -57,6 +68,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         for name, tensor in model.checkpoint_names(checkpoint_name, checkpoint_tensor):
             local = model.local_name(name)
             if local is None:
+                continue
+            if kv_scale := kv_cache_scale(local):
+                for attribute in kv_scale[1]:  # a float on the attention block, not a parameter
+                    setattr(model.get_submodule(kv_scale[0]), attribute, float(tensor))
                 continue
             target, part = packed_target(local, mapping)
             if target not in params:

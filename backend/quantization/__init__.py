@@ -3,7 +3,7 @@ GGUF files in their block formats (`gguf.py`), and float checkpoints quantized a
 FP8 (`fp8.py`) or INT8 (`int8.py`). The model runner calls, in order:
 
     detect(hf_config, option)              -> QuantConfig, or None for a float model
-    kv_cache_dtype(option, dtype, device)  the KV cache's element type ("fp8": float8 E4M3)
+    kv_cache_dtype(option, dtype)          the KV cache's element type ("fp8": float8 E4M3, "fp8_e5m2")
     prepare(model, quant, path, dtype)     on the meta-device model, before the weights load: the
                                            checkpoint's quantized layers replace nn.Linear / nn.Embedding
     iterate_weights(path, quant, config)   the GGUF file's weights (None: read the safetensors)

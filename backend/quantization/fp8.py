@@ -7,8 +7,9 @@ On Hopper-class GPUs (compute capability 9.0+) with bfloat16 activations the mat
 CPU, older GPUs) it is emulated: the weight is dequantized to the activation dtype for the call,
 then F.linear.
 
-The FP8 KV cache (`kv_cache_dtype="fp8"`) stores keys and values as E4M3 with scale 1.0 (vLLM's
-default); the CPU attention converts them to the activation dtype as it reads them.
+The FP8 KV cache (`kv_cache_dtype="fp8"`, "fp8_e4m3", "fp8_e5m2") stores keys and values as
+float8 codes of x / scale, one key and one value scale per layer (the checkpoint's, else 1.0, vLLM's
+default); every attention path reads them back times their scale (backend/ops/__init__.py).
 """
 
 from __future__ import annotations
@@ -76,13 +77,9 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 per channel"
 
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = {"fp8": FP8, "fp8_e4m3": FP8, "fp8_e5m2": torch.float8_e5m2}  # and "auto"
 
 
-def kv_cache_dtype(option: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    if option == "auto":
-        return dtype
-    if device.type != "cpu":
-        raise ValueError(f"kv_cache_dtype: {option!r} runs on the CPU only for now (the Triton attention "
-                         "kernels read caches of the activation dtype)")
-    return FP8
+def kv_cache_dtype(option: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for EngineConfig.kv_cache_dtype: the activation dtype for auto."""
+    return dtype if option == "auto" else KV_CACHE_DTYPES[option]

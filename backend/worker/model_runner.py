@@ -72,7 +72,7 @@ class ModelRunner:
         self.quantization = quantization.detect(hf_config, config.quantization, world_size(config))
         self.config = config = self._start_workers(config, model_path, rank)
         self.device, self.dtype = self._place(config, rank)
-        self.kv_cache_dtype = quantization.kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        self.kv_cache_dtype = quantization.kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         try:
             self.parallel = parallel_state.init(config, rank, self.device, failure=lambda: self.failure)
             self.model = load_model(config, model_path, hf_config, self.parallel, self.quantization,

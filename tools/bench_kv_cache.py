@@ -1,0 +1,176 @@
+"""The 8-bit KV cache (kv_cache_dtype fp8 / fp8_e5m2) against the float cache: accuracy, decode
+speed at long positions and memory. Prints markdown tables with ratios; a tool, not a test.
+
+    python -m tools.bench_kv_cache accuracy [--dtype bfloat16] [--max-tokens 32]
+    python -m tools.bench_kv_cache kernel [--context 8192] [--seqs 4] [--dtype float32,bfloat16]
+    python -m tools.bench_kv_cache decode [--context 8000] [--max-tokens 32] [--dtype float32,bfloat16]
+
+accuracy: greedy tokens of each prompt (tests/utils/prompts.py and a held-out text) with each cache:
+the share of tokens before each prompt's first difference from the float cache's, and the log-prob
+error: the float cache's greedy continuation scored under each cache (teacher forced, prompt
+logprobs), |logprob - float's| over those tokens, mean and max.
+kernel: one layer's decode attention (SmolLM2's 9 query heads over 3 KV heads of 64) for `--seqs`
+sequences at `--context` positions on random blocks, the C++ kernel over each cache; ms a call,
+the median of alternating rounds.
+decode: the engine: one prompt of `--context` tokens, then `--max-tokens` greedy tokens; ms per
+output token after the first (the prefill is left out), the median of alternating rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+KV_DTYPES = ("auto", "fp8", "fp8_e5m2")
+
+
+def prompts() -> list[str]:
+    from tests.utils.prompts import PROMPTS
+
+    return list(PROMPTS)
+
+
+def accuracy(args) -> None:
+    from backend import LLM, SamplingParams
+
+    texts = prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    results, float_tokens, float_scores = {}, None, None
+    for kv in KV_DTYPES:
+        llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=kv, kv_cache_memory_bytes=256 << 20, seed=0)
+        outputs = llm.generate(texts, greedy)
+        tokens = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
+        if float_tokens is None:
+            float_tokens = tokens
+        # The float cache's sequences, teacher forced: each continuation token's logprob under this cache.
+        scored = llm.generate([{"prompt_token_ids": t} for t in float_tokens],
+                              SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+        scores = [[next(iter(entry.values())).logprob if entry else 0.0 for entry in o.prompt_logprobs][-args.max_tokens:]
+                  for o in scored]
+        if float_scores is None:
+            float_scores = scores
+        errors = [abs(a - b) for ours, theirs in zip(scores, float_scores) for a, b in zip(ours, theirs)]
+        agreed = sum(common_prefix(ours, theirs) - (len(theirs) - args.max_tokens)
+                     for ours, theirs in zip(tokens, float_tokens))
+        results[kv] = dict(agreed=agreed / (args.max_tokens * len(texts)), mean=statistics.fmean(errors),
+                           max=max(errors), blocks=llm.llm_engine.runner.num_blocks)
+        del llm
+        gc.collect()
+    print(f"\n{len(texts)} prompts, {args.max_tokens} greedy tokens each, {args.dtype} activations\n")
+    print("| kv_cache_dtype | greedy tokens before the first difference | logprob error mean | max | blocks in 256 MiB |")
+    print("|---|---:|---:|---:|---:|")
+    for kv, r in results.items():
+        print(f"| {kv} | {r['agreed']:.1%} | {r['mean']:.4f} | {r['max']:.3f} | {r['blocks']} |")
+
+
+def common_prefix(ours: list[int], theirs: list[int]) -> int:
+    count = 0
+    while count < min(len(ours), len(theirs)) and ours[count] == theirs[count]:
+        count += 1
+    return count
+
+
+def kernel(args) -> None:
+    import torch
+
+    from backend.kernels.reference import quantize_kv
+    from backend.ops import cpu_ops
+
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    blocks_per_seq = -(-args.context // block_size)
+    num_blocks = blocks_per_seq * args.seqs + 8
+    print(f"\ndecode attention, one layer: {args.seqs} sequences x {args.context} positions, {heads} heads over "
+          f"{kv_heads} KV heads of {dim}, random blocks; ms a call (median of {args.rounds} alternating rounds)\n")
+    print("| activations | cache | KV bytes read | ms | speed-up vs the float cache |")
+    print("|---|---|---:|---:|---:|")
+    for dtype_name in args.dtype.split(","):
+        dtype = getattr(torch, dtype_name)
+        torch.manual_seed(0)
+        values = torch.randn(2, kv_heads, num_blocks, block_size, dim)
+        caches = {"auto": values.to(dtype), "fp8": quantize_kv(values, torch.float8_e4m3fn),
+                  "fp8_e5m2": quantize_kv(values, torch.float8_e5m2)}
+        tables = torch.randperm(num_blocks)[:blocks_per_seq * args.seqs].view(args.seqs, -1).to(torch.int32)
+        query = torch.randn(args.seqs, heads, dim, dtype=dtype)
+        rows = torch.arange(args.seqs, dtype=torch.int32)
+        lens = torch.full((args.seqs,), args.context, dtype=torch.int32)
+        times: dict[str, list[float]] = {kv: [] for kv in caches}
+        for _ in range(args.rounds):
+            for kv, cache in caches.items():
+                start = time.perf_counter()
+                for _ in range(args.calls):
+                    cpu_ops.paged_attention(query, cache, tables, rows, lens, dim ** -0.5)
+                times[kv].append((time.perf_counter() - start) / args.calls * 1e3)
+        base = statistics.median(times["auto"])
+        for kv, cache in caches.items():
+            ms = statistics.median(times[kv])
+            read = 2 * kv_heads * args.seqs * args.context * dim * cache.element_size()
+            print(f"| {dtype_name} | {kv} | {read / 2**20:.1f} MiB | {ms:.2f} | {base / ms:.2f}x |")
+
+
+def decode(args) -> None:
+    from backend import LLM, SamplingParams
+
+    print(f"\nengine decode: one prompt of {args.context} tokens, then {args.max_tokens} greedy tokens; ms per output "
+          f"token after the first (median of {args.rounds} alternating rounds)\n")
+    print("| activations | kv_cache_dtype | ms / token | speed-up vs the float cache |")
+    print("|---|---|---:|---:|")
+    for dtype in args.dtype.split(","):
+        engines = {kv: LLM(args.model, dtype=dtype, kv_cache_dtype=kv, max_model_len=args.context + args.max_tokens + 16,
+                           max_num_seqs=4, seed=0, enable_prefix_caching=False) for kv in ("auto", "fp8")}
+        prompt = [1000 + (7 * i) % 20000 for i in range(args.context)]
+        times: dict[str, list[float]] = {kv: [] for kv in engines}
+        for _ in range(args.rounds):
+            for kv, llm in engines.items():
+                times[kv].append(per_token_ms(llm, prompt, args.max_tokens, SamplingParams))
+        base = statistics.median(times["auto"])
+        for kv in engines:
+            ms = statistics.median(times[kv])
+            print(f"| {dtype} | {kv} | {ms:.1f} | {base / ms:.2f}x |")
+        del engines
+        gc.collect()
+
+
+def per_token_ms(llm, prompt: list[int], max_tokens: int, sampling_params) -> float:
+    """One request stepped by hand: ms per output token after the first (the prefill's step)."""
+    engine = llm.llm_engine
+    engine.add_request(f"bench-{time.monotonic_ns()}", {"prompt_token_ids": prompt},
+                       sampling_params(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    stamps = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        stamps.append(time.perf_counter())
+    decode_steps = stamps[-(max_tokens - 1):]
+    return (decode_steps[-1] - stamps[-max_tokens]) / (len(decode_steps)) * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["accuracy", "kernel", "decode"])
+    parser.add_argument("--model", default=None, help="HF model folder (default: the prepared SmolLM2)")
+    parser.add_argument("--dtype", default=None, help="activation dtype(s), comma-separated")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--seqs", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=5)
+    args = parser.parse_args()
+    if args.model is None:
+        from backend.model_paths import resolve_model_path
+
+        args.model = resolve_model_path(None)
+    if args.mode == "accuracy":
+        args.dtype = args.dtype or "bfloat16"
+        accuracy(args)
+    elif args.mode == "kernel":
+        args.dtype = args.dtype or "float32,bfloat16"
+        kernel(args)
+    else:
+        args.dtype = args.dtype or "float32,bfloat16"
+        decode(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
