@@ -13,7 +13,7 @@ kernel: one layer's decode attention (SmolLM2's 9 query heads over 3 KV heads of
 sequences at `--context` positions on random blocks, the C++ kernel over each cache; ms a call,
 the median of alternating rounds.
 decode: the engine: one prompt of `--context` tokens, then `--max-tokens` greedy tokens; ms per
-output token after the first (the prefill is left out), the median of alternating rounds.
+output token after the first (the prefill is left out; rounds after the first find the prompt in the prefix cache), the median of alternating rounds.
 """
 
 from __future__ import annotations
@@ -118,12 +118,13 @@ def decode(args) -> None:
     print("|---|---|---:|---:|")
     for dtype in args.dtype.split(","):
         engines = {kv: LLM(args.model, dtype=dtype, kv_cache_dtype=kv, max_model_len=args.context + args.max_tokens + 16,
-                           max_num_seqs=4, seed=0, enable_prefix_caching=False) for kv in ("auto", "fp8")}
+                           max_num_seqs=4, seed=0) for kv in ("auto", "fp8")}
         prompt = [1000 + (7 * i) % 20000 for i in range(args.context)]
         times: dict[str, list[float]] = {kv: [] for kv in engines}
         for _ in range(args.rounds):
             for kv, llm in engines.items():
                 times[kv].append(per_token_ms(llm, prompt, args.max_tokens, SamplingParams))
+                print(f"  {dtype} {kv}: {times[kv][-1]:.1f} ms/token", flush=True)
         base = statistics.median(times["auto"])
         for kv in engines:
             ms = statistics.median(times[kv])
