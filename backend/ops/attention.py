@@ -97,7 +97,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return _fused_attention(query, key, value, kv_cache, meta, scale, sliding_window, logits_soft_cap,
                                 k_scale, v_scale)
     key_cache, value_cache = cache_views(kv_cache)
-    reshape_and_cache_reference(key, value, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
+    if kv_cache.dtype in FP8_KV_DTYPES:
+        reshape_and_cache_reference(key, value, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
+    else:
+        kv_cache[0].view(num_kv_heads, -1, head_dim)[:, meta.slot_mapping] = key.transpose(0, 1)  # [KVH, slots, D]
+        kv_cache[-1].view(num_kv_heads, -1, head_dim)[:, meta.slot_mapping] = value.transpose(0, 1)
     scales = dict(k_scale=k_scale, v_scale=v_scale)
 
     outputs = []
