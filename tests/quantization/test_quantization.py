@@ -307,8 +307,8 @@ def test_fp8_kv_cache_stores_float8_and_keeps_the_tokens(model_path):
     assert engines["fp8"].llm_engine.runner.block_bytes * 4 == engines["auto"].llm_engine.runner.block_bytes
     # Writes: a prompt's keys and values land in the cache as the float8 rounding of the float ones.
     # Checked bit for bit in the first layer, whose inputs both engines compute alike; deeper layers'
-    # inputs differ in the last bits (the float cache's prefill runs the C++ attention kernel, the
-    # fp8 one the torch path), which may flip a float8 rounding.
+    # inputs carry the error of the layers before (the prompt attends over its own keys as the fp8
+    # cache holds them, on every path), so there within a few float8 steps overall.
     for engine in engines.values():
         engine.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=1))
     for layer, (float_cache, fp8_cache) in enumerate(zip(float_caches, fp8_caches)):
@@ -317,8 +317,9 @@ def test_fp8_kv_cache_stores_float8_and_keeps_the_tokens(model_path):
         expected = float_cache[:, :, used].to(torch.float8_e4m3fn)
         if layer == 0:
             assert torch.equal(fp8_cache[:, :, used].view(torch.uint8), expected.view(torch.uint8))
-        else:  # within one float8 step (e4m3: 3 mantissa bits)
-            torch.testing.assert_close(fp8_cache[:, :, used].float(), expected.float(), rtol=0.125, atol=2 ** -9)
+        else:  # near: a few float8 steps (e4m3: 3 mantissa bits, 2-3% a value) over the whole block
+            error = (fp8_cache[:, :, used].float() - expected.float()).norm() / expected.float().norm()
+            assert error < 0.1, (layer, error)
     # Reads: decodes and (second round) prefix-cache hits attend over the float8 cache; the greedy
     # tokens mostly stay those of the float cache.
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
