@@ -289,15 +289,26 @@ class StubWatch:
     def dead(self) -> str | None:
         """The model whose stub died, if one did."""
         for model, known in self.pids.items():
-            pids = set(self.server.stub_pids(model))
             if not self.explicit:  # no load or unload can happen: the first stubs are the only ones
-                if not known <= pids:
+                if not all(map(self.alive, known)):
                     return model
-            elif pids:  # an admin may reload: follow the current stub
+                continue
+            pids = set(self.server.stub_pids(model))
+            if pids:  # an admin may reload: follow the current stub
                 self.pids[model] = pids
             elif model_ready(self.server, model):  # no stub: an unload (not ready) or a death (ready)
                 return model
         return None
+
+    def alive(self, pid: int) -> bool:
+        """Whether `pid` is still a live child of tritonserver: one small read, where stub_pids
+        reads all of /proc (every 0.5 s for the life of the service)."""
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return False
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, ...
+        return fields[0] != "Z" and self.server.process is not None and int(fields[1]) == self.server.process.pid
 
 
 def model_ready(server: TritonServer, model: str = MODEL_NAME) -> bool:

@@ -127,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
         for run_ in runs:
             run_args = argparse.Namespace(**{**vars(args), "dtype": run_.dtype, "vllm_cores": run_.vllm_cores})
             mode = run_.mode
+            if ours is not None and mode not in ("triton", "openai"):
+                stop(ours[1])  # idle, it still polls health and stubs on the cores the next run needs
+                ours = None
             if mode in OFFLINE_RUNNERS:
                 results[run_.label] = OFFLINE_RUNNERS[mode](run_args, workload)
             elif mode in ("vllm-serve", "triton-vllm"):
