@@ -130,27 +130,35 @@ template <> struct Fp8Format<e5m2> {
 };
 
 typedef uint8_t vbyte __attribute__((vector_size(kLanes)));
-typedef _Float16 vfloat16 __attribute__((vector_size(kLanes * 2)));
 
-// kLanes codes -> float32 through float16 (one conversion instruction where the CPU has F16C):
-// an E5M2 code is a float16's top byte; an E4M3 code's exponent and mantissa go one bit lower,
-// where they read as the value / 2^8 (subnormals included), so the caller multiplies by kUnit
-// (folded into the attention's scales, never per element).
+// kLanes codes -> float32, as the value / kUnit: an E5M2 code is a float16's top byte and an E4M3
+// code's exponent and mantissa sit one bit lower, where they read as the value / 2^8 (subnormals
+// included); the callers fold kUnit into the attention's scales, never per element. Where there is
+// no float16 conversion instruction, the code's bits go into a float32's places instead (a float32
+// subnormal for a subnormal code) and one multiply by 2^112 rebiases both types' exponents.
 template <typename C> __attribute__((always_inline)) inline vfloat load_fp8(const C* p) {
   vbyte bytes;
   std::memcpy(&bytes, p, sizeof bytes);
+#if defined(__AVX512F__) || defined(__F16C__)
   vhalf code = __builtin_convertvector(bytes, vhalf) << 8;
   // E4M3: the sign stays, the rest moves down a bit (a shift and one bitwise select, vpternlog).
   if constexpr (std::is_same_v<C, e4m3>) code = ((code >> 1) & 0x3fff) | (code & 0x8000);
-  // GCC turns the generic float16 conversion into one scalar conversion per lane: the instruction.
 #if defined(__AVX512F__)
-  return (vfloat)_mm512_cvtph_ps((__m256i)code);
-#elif defined(__F16C__)
-  return (vfloat)_mm256_cvtph_ps((__m128i)code);
+  return (vfloat)_mm512_maskz_cvtph_ps(0xffff, (__m256i)code);  // not _mm512_cvtph_ps: GCC 12 warns in it
 #else
-  vfloat16 half;
-  std::memcpy(&half, &code, sizeof half);
-  return __builtin_convertvector(half, vfloat);
+  return (vfloat)_mm256_cvtph_ps((__m128i)code);
+#endif
+#else
+  const vuint code = __builtin_convertvector(bytes, vuint);
+  vuint bits = (code & 0x7fu) << (std::is_same_v<C, e5m2> ? 21 : 20);
+  vfloat magnitude;
+  std::memcpy(&magnitude, &bits, sizeof magnitude);
+  magnitude *= 0x1p112f;
+  std::memcpy(&bits, &magnitude, sizeof bits);
+  bits |= (code & 0x80u) << 24;
+  vfloat value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
 #endif
 }
 __attribute__((always_inline)) inline vfloat load(const e4m3* p) { return load_fp8(p); }
@@ -179,7 +187,8 @@ template <typename C> inline void store_fp8(C* p, vfloat x) {
   vuint subnormal;
   std::memcpy(&subnormal, &rounded, sizeof subnormal);
   subnormal -= magic_bits;
-  const vuint code = (vuint)(magnitude < F::kMinNormal) & subnormal | ~(vuint)(magnitude < F::kMinNormal) & normal;
+  const vuint small = (vuint)(magnitude < F::kMinNormal);
+  const vuint code = (small & subnormal) | (~small & normal);
   vbyte out = __builtin_convertvector(sign | code, vbyte);
   std::memcpy(p, &out, sizeof out);
 }
