@@ -201,7 +201,7 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
         partial_out = partial_max = partial_sum = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, partial_out, partial_max, partial_sum,
-        sinks if sinks is not None else query, scale * k_scale * LOG2E, window_arg(sliding_window),
+        sinks if sinks is not None else query, scale * (k_scale if fp8 else 1.0) * LOG2E, window_arg(sliding_window),
         (logits_soft_cap or 1.0) * LOG2E, v_scale,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

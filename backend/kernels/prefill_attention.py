@@ -128,7 +128,7 @@ def paged_attention_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, BLOCK_M))
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, query_starts, seq_lens, out,
-        sinks if sinks is not None else query, scale * k_scale * LOG2E, window_arg(sliding_window),
+        sinks if sinks is not None else query, scale * (k_scale if fp8 else 1.0) * LOG2E, window_arg(sliding_window),
         (logits_soft_cap or 1.0) * LOG2E, v_scale,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
