@@ -131,3 +131,18 @@ def test_triton_attention_over_fp8_cache_matches_reference(dtype, cache_dtype):
     expected = reference.paged_attention_prefill_reference(query, key_cache, value_cache, tables[1:], starts, lens,
                                                            scale, k_scale=SCALES[0], v_scale=SCALES[1])
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
+
+
+def test_scales_leave_a_float_cache_alone():
+    """A checkpoint's scales reach every layer, whatever the cache: a float cache's paths ignore them."""
+    torch.manual_seed(0)
+    cache = torch.randn(2, 2, 8, 16, 64)
+    key_cache, value_cache = cache_views(cache)
+    query, tables, lens = torch.randn(2, 4, 64), torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), torch.tensor([20, 9])
+    lens = lens.to(torch.int32)
+    plain = paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+    scaled = paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125, k_scale=0.5, v_scale=3.0)
+    assert torch.equal(plain, scaled)
+    rows = torch.arange(2, dtype=torch.int32)
+    assert torch.equal(cpu_ops.paged_attention(query, cache, tables, rows, lens, 0.125),
+                       cpu_ops.paged_attention(query, cache, tables, rows, lens, 0.125, k_scale=0.5, v_scale=3.0))
