@@ -15,6 +15,7 @@ from backend.kernels.paged_attention import paged_attention_decode
 from backend.kernels.prefill_attention import paged_attention_prefill
 from backend.ops import cpu_ops
 from backend.ops.attention import cache_views
+from tests.utils.kernels import DEVICE
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -102,8 +103,9 @@ def test_triton_reshape_and_cache_rounds_as_torch(dtype, cache_dtype):
     expected = cache.clone()
     slots = torch.tensor([5, -1, 40])
     reference.reshape_and_cache_reference(key, value, *cache_views(expected), slots, *SCALES)
-    reshape_and_cache(key, value, *cache_views(cache), slots, *SCALES)
-    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    cache = cache.to(DEVICE)  # the kernel on CUDA where there is one, else through the interpreter
+    reshape_and_cache(key.to(DEVICE), value.to(DEVICE), *cache_views(cache), slots.to(DEVICE), *SCALES)
+    assert torch.equal(cache.cpu().view(torch.uint8), expected.view(torch.uint8))
 
 
 @pytest.mark.parametrize("cache_dtype", FP8)
@@ -118,16 +120,17 @@ def test_triton_attention_over_fp8_cache_matches_reference(dtype, cache_dtype):
     seq_lens = torch.tensor([1, 70, 33], dtype=torch.int32)
     tables = torch.randperm(num_blocks)[:15].view(3, 5).to(torch.int32)
     query = torch.randn(3, heads, head_dim, dtype=dtype)
-    actual = paged_attention_decode(query, key_cache, value_cache, tables, seq_lens, scale,
-                                    k_scale=SCALES[0], v_scale=SCALES[1])
+    on_device = cache_views(cache.to(DEVICE))  # CUDA where there is one, else the interpreter
+    actual = paged_attention_decode(query.to(DEVICE), *on_device, tables.to(DEVICE), seq_lens.to(DEVICE), scale,
+                                    k_scale=SCALES[0], v_scale=SCALES[1]).cpu()
     expected = reference.paged_attention_decode_reference(query, key_cache, value_cache, tables, seq_lens, scale,
                                                           k_scale=SCALES[0], v_scale=SCALES[1])
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
     starts = torch.tensor([0, 20, 21], dtype=torch.int32)  # 20 tokens after 50 cached, one after 32
     query = torch.randn(21, heads, head_dim, dtype=dtype)
     lens = torch.tensor([70, 33], dtype=torch.int32)
-    actual = paged_attention_prefill(query, key_cache, value_cache, tables[1:], starts, lens, 20, scale,
-                                     k_scale=SCALES[0], v_scale=SCALES[1])
+    actual = paged_attention_prefill(query.to(DEVICE), *on_device, tables[1:].to(DEVICE), starts.to(DEVICE),
+                                     lens.to(DEVICE), 20, scale, k_scale=SCALES[0], v_scale=SCALES[1]).cpu()
     expected = reference.paged_attention_prefill_reference(query, key_cache, value_cache, tables[1:], starts, lens,
                                                            scale, k_scale=SCALES[0], v_scale=SCALES[1])
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
@@ -137,11 +140,11 @@ def test_scales_leave_a_float_cache_alone():
     """A checkpoint's scales reach every layer, whatever the cache: a float cache's paths ignore them."""
     torch.manual_seed(0)
     cache = torch.randn(2, 2, 8, 16, 64)
-    key_cache, value_cache = cache_views(cache)
     query, tables, lens = torch.randn(2, 4, 64), torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), torch.tensor([20, 9])
     lens = lens.to(torch.int32)
-    plain = paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
-    scaled = paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125, k_scale=0.5, v_scale=3.0)
+    on_device = [tensor.to(DEVICE) for tensor in (query, *cache_views(cache.to(DEVICE)), tables, lens)]
+    plain = paged_attention_decode(*on_device, 0.125)
+    scaled = paged_attention_decode(*on_device, 0.125, k_scale=0.5, v_scale=3.0)
     assert torch.equal(plain, scaled)
     rows = torch.arange(2, dtype=torch.int32)
     assert torch.equal(cpu_ops.paged_attention(query, cache, tables, rows, lens, 0.125),
