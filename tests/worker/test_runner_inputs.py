@@ -4,6 +4,7 @@ tensors, against the per-token loop it replaced (no model is loaded)."""
 from __future__ import annotations
 
 import random
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -46,7 +47,8 @@ def test_flat_inputs_match_the_per_token_layout():
             n = rng.randint(1, length - request.num_computed_tokens)
         request.block_table = [free_blocks.pop() for _ in range(-(-(request.num_computed_tokens + n) // BLOCK_SIZE))]
         (decodes if kind == 0 else prefills).append((request, n))
-    runner = SimpleNamespace(block_size=BLOCK_SIZE, device=torch.device("cpu"))
+    runner = SimpleNamespace(block_size=BLOCK_SIZE, device=torch.device("cpu"), bidirectional_images=False)
+    runner._image_ranges = partial(ModelRunner._image_ranges, runner)  # text only: no image ranges
     input_ids, positions, meta = ModelRunner._flat_inputs(runner, decodes, prefills, drafts)
     expected_ids, expected_positions, expected_slots = per_token(decodes + prefills, drafts)
     assert input_ids.tolist() == expected_ids
