@@ -14,9 +14,8 @@ import torch
 
 from backend import LLM, SamplingParams
 from backend.errors import EngineError
-from tests.utils.vision import data_url, image, tiny_gemma3
+from tests.utils.vision import MAX_TOKENS, data_url, hf_greedy, image, requests, tiny_gemma3, tokens
 
-MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # The tiny model's KV-cache block in float32: 3 layers, keys and values, blocks of 16, 2 KV heads of 16.
 BLOCK_BYTES = 3 * 2 * 16 * 2 * 16 * 4
@@ -33,31 +32,15 @@ PROMPTS = [("Look: <start_of_image> What is in it?", [image(0, 40, 48)]),
 TEXT_ONLY = "No image here, just a question about the weather."
 
 
-def hf_greedy(model, processor, text: str, images: list | None) -> list[int]:
-    """transformers' greedy tokens; its processor's token_type_ids give the bidirectional image mask."""
-    inputs = processor(text=text, images=images, return_tensors="pt")
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
 @pytest.fixture(scope="module")
 def reference(gemma3):
     _, model, processor = gemma3
     return [hf_greedy(model, processor, text, images) for text, images in PROMPTS]
 
 
-def requests(prompts=PROMPTS):
-    return [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts]
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 def test_gemma3_matches_transformers_batched_with_text(gemma3, reference):
     llm = LLM(gemma3[0], dtype="float32", kv_cache_memory_bytes=16 << 20)
-    outputs = llm.generate(requests() + [TEXT_ONLY], GREEDY)
+    outputs = llm.generate(requests(PROMPTS) + [TEXT_ONLY], GREEDY)
     assert tokens(outputs)[:2] == reference
     assert tokens(outputs)[2] == hf_greedy(gemma3[1], gemma3[2], TEXT_ONLY, None)
 
@@ -69,7 +52,7 @@ def test_gemma3_matches_transformers_batched_with_text(gemma3, reference):
 ], ids=["chunked", "preempted"])
 def test_gemma3_stays_exact_when_chunked_or_preempted(gemma3, reference, engine_args):
     llm = LLM(gemma3[0], dtype="float32", **{"kv_cache_memory_bytes": 16 << 20, **engine_args})
-    outputs = llm.generate(requests() * 3 + [TEXT_ONLY], GREEDY)
+    outputs = llm.generate(requests(PROMPTS) * 3 + [TEXT_ONLY], GREEDY)
     assert tokens(outputs)[:6] == reference * 3
     assert tokens(outputs)[6] == hf_greedy(gemma3[1], gemma3[2], TEXT_ONLY, None)
     engine = llm.llm_engine
@@ -167,7 +150,7 @@ def test_checkpoint_names_in_transformers_5s_own_layout(gemma3, reference, tmp_p
     assert len(renamed) == len(weights) and all(name.startswith(("model.", "lm_head.")) for name in renamed)
     save_file(renamed, tmp_path / "model.safetensors")
     llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes=16 << 20)
-    assert tokens(llm.generate(requests(), GREEDY)) == reference
+    assert tokens(llm.generate(requests(PROMPTS), GREEDY)) == reference
 
 
 def test_an_image_longer_than_a_step_is_refused(gemma3):

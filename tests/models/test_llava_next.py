@@ -11,13 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from backend import LLM, SamplingParams
 from backend.errors import EngineError
-from tests.utils.vision import data_url, image, tiny_llava_next
+from tests.utils.vision import MAX_TOKENS, data_url, hf_greedy, image, requests, tiny_llava_next, tokens
 
-MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 TEXT_ONLY = "[INST] no image here [/INST]"
 PROMPTS = [
@@ -33,25 +31,10 @@ def llava_next(tmp_path_factory, model_path):
     return tiny_llava_next(tmp_path_factory.mktemp("tiny_llava_next"), model_path)
 
 
-def hf_greedy(model, processor, text: str, images: list | None) -> list[int]:
-    inputs = processor(text=text, images=images, return_tensors="pt")
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
 @pytest.fixture(scope="module")
 def reference(llava_next):
     _, model, processor = llava_next
     return [hf_greedy(model, processor, text, images) for text, images in PROMPTS]
-
-
-def requests(prompts=PROMPTS):
-    return [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts]
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def placeholders(llava_next, picture) -> int:
@@ -64,7 +47,7 @@ def test_llava_next_matches_transformers_batched_with_text(llava_next, reference
     counts = [placeholders(llava_next, picture) for _, images in PROMPTS for picture in images]
     assert len(set(counts)) == len(counts)  # each image's size gives it its own placeholder count
     llm = LLM(llava_next[0], dtype="float32", kv_cache_memory_bytes=64 << 20)
-    outputs = llm.generate(requests() + [TEXT_ONLY], GREEDY)
+    outputs = llm.generate(requests(PROMPTS) + [TEXT_ONLY], GREEDY)
     assert tokens(outputs)[:3] == reference
     assert tokens(outputs)[3] == hf_greedy(llava_next[1], llava_next[2], TEXT_ONLY, None)
 
@@ -78,7 +61,7 @@ BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K, V) x block_size x KV heads
 ], ids=["chunked", "preempted"])
 def test_llava_next_stays_exact_when_images_are_split_or_preempted(llava_next, reference, engine_args):
     llm = LLM(llava_next[0], dtype="float32", **{"kv_cache_memory_bytes": 64 << 20, **engine_args})
-    outputs = llm.generate(requests() * 3, GREEDY)
+    outputs = llm.generate(requests(PROMPTS) * 3, GREEDY)
     assert tokens(outputs) == reference * 3
     engine = llm.llm_engine
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks

@@ -12,9 +12,8 @@ import torch
 
 from backend import LLM, SamplingParams
 from tests.utils.qwen_vl import IMAGE, tiny_qwen2_5_vl
-from tests.utils.vision import data_url, image
+from tests.utils.vision import MAX_TOKENS, data_url, hf_greedy, image, requests, tokens
 
-MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 TEXT_ONLY = "No image here, only text:"
 # 40 x 48 pixels: 5 x 6 placeholders (windows of 2 x 2 cut at the edges); 64 x 32: 8 x 4; 24 x 40: 3 x 5.
@@ -28,25 +27,10 @@ def qwen(tmp_path_factory, model_path):
     return tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny_qwen2_5_vl"), model_path)
 
 
-def hf_greedy(model, processor, text: str, images: list | None) -> list[int]:
-    inputs = processor(text=text, images=images, return_tensors="pt")
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
 @pytest.fixture(scope="module")
 def reference(qwen):
     _, model, processor = qwen
     return [hf_greedy(model, processor, text, images) for text, images in PROMPTS]
-
-
-def requests(prompts=PROMPTS):
-    return [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts]
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def test_m_rope_positions_are_transformers(qwen):
@@ -69,7 +53,7 @@ def test_m_rope_positions_are_transformers(qwen):
 def test_qwen2_5_vl_matches_transformers_batched_with_text(qwen, reference):
     path, model, processor = qwen
     llm = LLM(path, dtype="float32", kv_cache_memory_bytes=64 << 20)
-    outputs = llm.generate(requests() + [TEXT_ONLY], GREEDY)
+    outputs = llm.generate(requests(PROMPTS) + [TEXT_ONLY], GREEDY)
     assert tokens(outputs)[:2] == reference
     assert tokens(outputs)[2] == hf_greedy(model, processor, TEXT_ONLY, None)  # equal parts: plain RoPE
 
@@ -80,7 +64,7 @@ def test_qwen2_5_vl_matches_transformers_batched_with_text(qwen, reference):
 ], ids=["chunked", "preempted"])
 def test_qwen2_5_vl_stays_exact_when_images_are_split_or_preempted(qwen, reference, engine_args):
     llm = LLM(qwen[0], dtype="float32", **{"kv_cache_memory_bytes": 64 << 20, **engine_args})
-    outputs = llm.generate(requests() * 3, GREEDY)
+    outputs = llm.generate(requests(PROMPTS) * 3, GREEDY)
     assert tokens(outputs) == reference * 3
     engine = llm.llm_engine
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
@@ -162,7 +146,7 @@ def test_the_hubs_older_layout_loads_to_the_same_tokens(qwen, reference, tmp_pat
     assert any(name.startswith("visual.") for name in renamed) and any(name.startswith("model.layers.") for name in renamed)
     save_file(renamed, tmp_path / "model.safetensors")
     llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes=64 << 20)
-    assert tokens(llm.generate(requests(), GREEDY)) == reference
+    assert tokens(llm.generate(requests(PROMPTS), GREEDY)) == reference
 
 
 def test_served_through_triton_and_the_openai_sdk(qwen, tmp_path_factory):

@@ -6,13 +6,11 @@ across prefill chunks, and through the prefix cache (the same image hits, anothe
 from __future__ import annotations
 
 import pytest
-import torch
 
 from backend import LLM, SamplingParams
 from backend.errors import EngineError
-from tests.utils.vision import base64_png, data_url, image, tiny_llava
+from tests.utils.vision import MAX_TOKENS, base64_png, data_url, hf_greedy, image, requests, tiny_llava, tokens
 
-MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -26,30 +24,15 @@ PROMPTS = [("USER: <image>\nWhat is in it? ASSISTANT:", [image(0, 40, 48)]),
            ("USER: <image> and <image>: which is brighter? ASSISTANT:", [image(1, 64, 32), image(2, 32, 32)])]
 
 
-def hf_greedy(model, processor, text: str, images: list) -> list[int]:
-    inputs = processor(text=text, images=images, return_tensors="pt")
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
 @pytest.fixture(scope="module")
 def reference(llava):
     _, model, processor = llava
     return [hf_greedy(model, processor, text, images) for text, images in PROMPTS]
 
 
-def requests(prompts=PROMPTS):
-    return [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts]
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 def test_llava_matches_transformers_batched_with_text(llava, reference):
     llm = LLM(llava[0], dtype="float32", kv_cache_memory_bytes=64 << 20)
-    outputs = llm.generate(requests() + ["USER: no image here. ASSISTANT:"], GREEDY)
+    outputs = llm.generate(requests(PROMPTS) + ["USER: no image here. ASSISTANT:"], GREEDY)
     assert tokens(outputs)[:2] == reference
     assert tokens(outputs)[2] == hf_greedy(llava[1], llava[2], "USER: no image here. ASSISTANT:", None)
 
@@ -60,7 +43,7 @@ def test_llava_matches_transformers_batched_with_text(llava, reference):
 ], ids=["chunked", "preempted"])
 def test_llava_stays_exact_when_images_are_split_or_preempted(llava, reference, engine_args):
     llm = LLM(llava[0], dtype="float32", **{"kv_cache_memory_bytes": 64 << 20, **engine_args})
-    outputs = llm.generate(requests() * 3, GREEDY)
+    outputs = llm.generate(requests(PROMPTS) * 3, GREEDY)
     assert tokens(outputs) == reference * 3
     engine = llm.llm_engine
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks

@@ -151,3 +151,26 @@ def tiny_gemma3(path, tokenizer_source: str):
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return str(path), model, processor
+
+
+MAX_TOKENS = 10  # the greedy tokens each vision-language test compares
+
+
+def hf_greedy(model, processor, text: str, images: list | None) -> list[int]:
+    """transformers' greedy tokens for a prompt and its images (its processor's outputs as they come:
+    Gemma 3's token_type_ids give the bidirectional image mask, Qwen2.5-VL's image_grid_thw its grids)."""
+    import torch
+
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def requests(prompts) -> list[dict]:
+    """(text, images) pairs as LLM.generate's prompts."""
+    return [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
