@@ -12,7 +12,7 @@ import torch
 
 from backend import LLM, SamplingParams
 from tests.utils.qwen_vl import IMAGE, tiny_qwen2_5_vl
-from tests.utils.vision import MAX_TOKENS, data_url, hf_greedy, image, requests, tokens
+from tests.utils.vision import MAX_TOKENS, check_served, data_url, hf_greedy, image, requests, tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 TEXT_ONLY = "No image here, only text:"
@@ -152,16 +152,6 @@ def test_the_hubs_older_layout_loads_to_the_same_tokens(qwen, reference, tmp_pat
 def test_served_through_triton_and_the_openai_sdk(qwen, tmp_path_factory):
     """`tritonllm serve`: tritonclient's `image` input (base64 PNGs, one per element) gives LLM.generate's text;
     the OpenAI SDK's image_url parts (Qwen2-VL's template) give LLM.chat's text and logprobs."""
-    from pathlib import Path
-
-    import numpy as np
-    import tritonclient.grpc as grpcclient
-    from openai import OpenAI
-
-    from tests.utils.serve import API_KEY, Serve
-    from tests.utils.triton import Stream, make_inputs, texts
-    from tests.utils.vision import base64_png
-
     llm = LLM(qwen[0], dtype="float32", kv_cache_memory_bytes=64 << 20)
     text, images = PROMPTS[1]
     expected = llm.generate(requests([(text, images)]), GREEDY)[0].outputs[0].text
@@ -170,24 +160,6 @@ def test_served_through_triton_and_the_openai_sdk(qwen, tmp_path_factory):
                                              {"type": "image_url", "image_url": {"url": data_url(images[1])}}]}]
     expected_chat = llm.chat(messages, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                                                       logprobs=0))[0].outputs[0]
-    with Serve(qwen[0], tmp_path_factory.mktemp("serve_qwen2_5_vl"), kv_cache_bytes=64 << 20,
-               max_model_len=512, start_timeout=300, stop_timeout=60) as served:
-        inputs = make_inputs(text, {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True},
-                             exclude_input_in_output=True)
-        tensor = grpcclient.InferInput("image", [len(images)], "BYTES")
-        tensor.set_data_from_numpy(np.array([base64_png(i) for i in images], dtype=np.object_))
-        stream = Stream(served.grpc_url)
-        try:
-            stream.send(inputs + [tensor])
-            [result] = stream.collect()
-        finally:
-            stream.close()
-        assert expected and texts(result) == [expected]
-        client = OpenAI(base_url=f"{served.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-        response = client.chat.completions.create(
-            model=Path(qwen[0]).name, messages=messages, temperature=0, max_tokens=MAX_TOKENS, logprobs=True,
-            extra_body={"ignore_eos": True})
-    choice = response.choices[0]
-    assert choice.message.content == expected_chat.text
-    logprobs = [position[token].logprob for position, token in zip(expected_chat.logprobs, expected_chat.token_ids)]
-    assert [entry.logprob for entry in choice.logprobs.content] == pytest.approx(logprobs, abs=1e-5)
+    assert expected
+    check_served(qwen[0], tmp_path_factory.mktemp("serve_qwen2_5_vl"), 64 << 20, text, images, expected, messages,
+                 expected_chat)

@@ -174,3 +174,40 @@ def requests(prompts) -> list[dict]:
 
 def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
+
+
+def check_served(model_path: str, workdir, kv_cache_bytes: int, text: str, images: list, expected: str,
+                 messages: list, expected_chat) -> None:
+    """`tritonllm serve` on `model_path`: tritonclient's `image` input (base64 PNGs, one per element)
+    with `text` gives `expected` (LLM.generate's text); the OpenAI SDK's chat with `messages` (image_url
+    parts) gives `expected_chat`'s text and logprobs (LLM.chat's, asked with logprobs=0)."""
+    from pathlib import Path
+
+    import pytest
+    import tritonclient.grpc as grpcclient
+    from openai import OpenAI
+
+    from tests.utils.serve import API_KEY, Serve
+    from tests.utils.triton import Stream, make_inputs, texts
+
+    with Serve(model_path, workdir, kv_cache_bytes=kv_cache_bytes, max_model_len=512, start_timeout=300,
+               stop_timeout=60) as served:
+        inputs = make_inputs(text, {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True},
+                             exclude_input_in_output=True)
+        tensor = grpcclient.InferInput("image", [len(images)], "BYTES")
+        tensor.set_data_from_numpy(np.array([base64_png(i) for i in images], dtype=np.object_))
+        stream = Stream(served.grpc_url)
+        try:
+            stream.send(inputs + [tensor])
+            [result] = stream.collect()
+        finally:
+            stream.close()
+        assert texts(result) == [expected]
+        client = OpenAI(base_url=f"{served.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        response = client.chat.completions.create(
+            model=Path(model_path).name, messages=messages, temperature=0, max_tokens=MAX_TOKENS, logprobs=True,
+            extra_body={"ignore_eos": True})
+    choice = response.choices[0]
+    assert choice.message.content == expected_chat.text
+    logprobs = [position[token].logprob for position, token in zip(expected_chat.logprobs, expected_chat.token_ids)]
+    assert [entry.logprob for entry in choice.logprobs.content] == pytest.approx(logprobs, abs=1e-5)
