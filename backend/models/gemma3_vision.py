@@ -28,6 +28,7 @@ from backend.layers.vision import VisionArgs
 from backend.models.decoder import ModelArgs
 from backend.models.gemma import gemma3
 from backend.models.llama import checkpoint_tensors as text_checkpoint_tensors
+from backend.models.llava import checkpoint_part
 
 
 @dataclass(frozen=True)
@@ -93,23 +94,12 @@ class Gemma3Encoder(nn.Module):
 
 
 def checkpoint_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> list[tuple[str, Any]]:
-    """Gemma 3's names under ours: the decoder's as the dense families read them, the tower and the
-    projector under `vision.` (SigLIP's attention-pooling head, never run, skipped)."""
-    name = name.removeprefix("model.")
-    if name.startswith("language_model."):
-        name = name.removeprefix("language_model.")
-        if not name.startswith(("model.", "lm_head.")):
-            name = "model." + name  # transformers 5's own layout: model.language_model.layers...
+    """Gemma 3's names under ours (LLaVA's layout): the decoder's as the dense families read them, the
+    tower and the projector under `vision.` (SigLIP's attention-pooling head, never run, skipped)."""
+    part, name = checkpoint_part(name)
+    if part == "decoder":
         return text_checkpoint_tensors(name, tensor, args)
-    if name.startswith("vision_tower."):
-        name = name.removeprefix("vision_tower.").removeprefix("vision_model.")
-        if name.startswith("head."):
-            return []
-        name = name.removeprefix("embeddings.").replace("encoder.layers.", "layers.")
-        return [("vision.tower." + name, tensor)]
-    if name.startswith("multi_modal_projector."):
-        return [("vision.projector." + name.removeprefix("multi_modal_projector."), tensor)]
-    return text_checkpoint_tensors(name, tensor, args)
+    return [] if part == "tower" and name.startswith("head.") else [(f"vision.{part}.{name}", tensor)]
 
 
 def gemma3_vision(config: dict[str, Any]) -> ModelArgs:

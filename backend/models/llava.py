@@ -52,25 +52,35 @@ class LlavaEncoder(nn.Module):
         return self.projector(self.tower(pixel_values))
 
 
-def checkpoint_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> list[tuple[str, Any]]:
-    """LLaVA's names under ours: the decoder's as the Llama-shaped families read them, the tower
-    and the projector under `vision.`."""
+def checkpoint_part(name: str) -> tuple[str, str]:
+    """Where a checkpoint tensor of LLaVA's layout (Gemma 3's too) belongs, and its name there:
+    ("decoder", the name as the Llama-shaped families read it), ("tower", the name within the vision
+    tower, `encoder.` and `embeddings.` dropped), ("projector", the name within the projector), or
+    ("decoder", the name as it is) for the rest."""
     name = name.removeprefix("model.")
     if name.startswith("language_model."):
         name = name.removeprefix("language_model.")
         if not name.startswith(("model.", "lm_head.")):
             name = "model." + name  # transformers 5's own layout: model.language_model.layers...
-        return text_checkpoint_tensors(name, tensor, args)
+        return "decoder", name
     if name.startswith("vision_tower."):
         name = name.removeprefix("vision_tower.").removeprefix("vision_model.")
-        if name.startswith(("post_layernorm.", "head.")) or name.startswith("encoder.layers.") and \
-                int(name.split(".")[2]) >= args.vision.tower.layers_to_run:
-            return []  # past the feature layer: never run
-        name = name.removeprefix("embeddings.").replace("encoder.layers.", "layers.")
-        return [("vision.tower." + name, tensor)]
+        return "tower", name.removeprefix("embeddings.").replace("encoder.layers.", "layers.")
     if name.startswith("multi_modal_projector."):
-        return [("vision.projector." + name.removeprefix("multi_modal_projector."), tensor)]
-    return text_checkpoint_tensors(name, tensor, args)
+        return "projector", name.removeprefix("multi_modal_projector.")
+    return "decoder", name
+
+
+def checkpoint_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> list[tuple[str, Any]]:
+    """LLaVA's names under ours: the decoder's as the Llama-shaped families read them, the tower
+    and the projector under `vision.`."""
+    part, name = checkpoint_part(name)
+    if part == "decoder":
+        return text_checkpoint_tensors(name, tensor, args)
+    if part == "tower" and (name.startswith(("post_layernorm.", "head.")) or name.startswith("layers.") and
+                            int(name.split(".")[1]) >= args.vision.tower.layers_to_run):
+        return []  # past the feature layer: never run
+    return [(f"vision.{part}.{name}", tensor)]
 
 
 def llava(config: dict[str, Any]) -> ModelArgs:
