@@ -11,15 +11,43 @@ freed while the request runs (`free_behind_window`): their block-table entries p
 a block never handed out, so every position keeps its place in the table, and the attention
 kernels never read it (they start each token at its window). A freed block keeps its contents and
 hash like any freed block: a later prompt with the same prefix still hits it until it is evicted.
+
+With `enable_kv_cache_events` the manager also records what enters and leaves the hash map
+(`BlockStored`, `BlockRemoved`, `AllBlocksCleared`); the engine takes them after each step
+(`take_events`) and publishes them, as vLLM's block pool does.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from backend.core.request import Request
 
 NULL_BLOCK = 0  # with a sliding window: where block-table entries behind every window point
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A full block became findable by its hash: later prompts with its prefix can share it."""
+    block_hash: int
+    parent_hash: int | None  # the block before it in its request (None: the first block)
+    token_ids: tuple[int, ...]
+    key: str | tuple | None  # Request.block_key: cache salt, adapter, images
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """The block with this hash was evicted (or its hash dropped): prefix hits on it end."""
+    block_hash: int
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The prefix cache holds nothing any more."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class Block:
@@ -35,7 +63,8 @@ class Block:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0, sliding_window: int | None = None) -> None:
+                 num_swap_blocks: int = 0, sliding_window: int | None = None,
+                 enable_kv_cache_events: bool = False) -> None:
         self.num_blocks = num_blocks
         self.num_swap_blocks = num_swap_blocks
         self.free_swap_blocks = list(range(num_swap_blocks))
@@ -50,6 +79,8 @@ class KVCacheManager:
             del self.free_blocks[NULL_BLOCK]
         self.num_usable_blocks = len(self.free_blocks)
         self.num_window_freed_blocks = 0  # blocks freed behind a sliding window, in total
+        # Changes to hash_to_block since the last take_events (None: not recorded).
+        self.events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -119,6 +150,8 @@ class KVCacheManager:
             if block.hash is not None:  # evict: its old contents are about to be overwritten
                 if self.hash_to_block.get(block.hash) == block_id:
                     del self.hash_to_block[block.hash]
+                    if self.events is not None:
+                        self.events.append(BlockRemoved(block.hash))
                 block.hash, block.token_ids, block.key = None, (), None
             block.ref_count = 1
             request.block_table.append(block_id)
@@ -140,7 +173,10 @@ class KVCacheManager:
                 continue
             block = self.blocks[request.block_table[index]]
             block.hash, block.token_ids, block.key = block_hash, block_tokens, key
-            self.hash_to_block.setdefault(block_hash, block.block_id)
+            if block_hash not in self.hash_to_block:  # an identical block may be there already
+                self.hash_to_block[block_hash] = block.block_id
+                if self.events is not None:
+                    self.events.append(BlockStored(block_hash, parent, block_tokens, key))
 
     def free_behind_window(self, request: Request) -> int:
         """Free the request's whole blocks before the window of its next token (position
@@ -210,4 +246,17 @@ class KVCacheManager:
         for block_id in self.free_blocks:
             block = self.blocks[block_id]
             block.hash, block.token_ids, block.key = None, (), None
+        old_hashes = self.hash_to_block.keys()
         self.hash_to_block = {b.hash: b.block_id for b in self.blocks if b.hash is not None}
+        if self.events is not None:
+            if not self.hash_to_block:
+                self.events.append(AllBlocksCleared())
+            else:  # running requests' blocks stay cached
+                self.events.extend(BlockRemoved(h) for h in old_hashes - self.hash_to_block.keys())
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first (none when not recording)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
