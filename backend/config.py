@@ -86,6 +86,11 @@ class EngineConfig:
         "help": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                 "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} or {\"method\": \"draft_model\", "
                 "\"model\": PATH, \"num_speculative_tokens\": 4}"})
+    # Given as JSON text or a dict; a KVEventsConfig (or None) once constructed.
+    kv_events_config: KVEventsConfig | dict | str | None = field(default=None, metadata={
+        "help": "publish KV-cache events (blocks stored, removed, all cleared) on ZMQ for routers, vLLM's "
+                "JSON: {\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://127.0.0.1:5557\", "
+                "\"replay_endpoint\": null, \"topic\": \"\"} (default endpoint: loopback only)"})
     enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters (peft format) on the base model"})
     max_loras: int = field(default=1, metadata={"help": "LoRA adapters held in the engine at once (one step mixes at most this many)"})
     max_lora_rank: int = field(default=16, metadata={"help": "the largest LoRA rank an adapter may have"})
@@ -145,6 +150,8 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # before anything starts
             check_field(self.speculative_config.method != "draft_model" or world_size == 1, "speculative_config",
                         "method draft_model runs without tensor/pipeline parallelism; use method ngram there")
+        if self.kv_events_config is not None:
+            self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
@@ -282,6 +289,44 @@ class SpeculativeConfig:
             lookup = [k for k in ("prompt_lookup_min", "prompt_lookup_max") if values.get(k) is not None]
             require(not lookup, f"{', '.join(lookup)} is for method ngram, not draft_model")
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's KVEventsConfig fields and defaults, but for `endpoint`: vLLM's `tcp://*:5557` listens
+    on every interface, ours on this machine only unless the operator names another address."""
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; default: zmq when events are enabled
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # ZMQ high-water mark of the PUB socket: past it, slow subscribers lose messages
+    max_queue_size: int = 100_000  # batches waiting for the publishing thread; past it, new ones are dropped
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, value: KVEventsConfig | dict | str) -> KVEventsConfig:
+        if isinstance(value, cls):
+            return value
+        values = json_object_option("kv_events_config", value, [f.name for f in fields(cls)])
+        config = cls(**values)
+        check(isinstance(config.enable_kv_cache_events, bool), "kv_events_config", "enable_kv_cache_events must be true or false")
+        check(isinstance(config.topic, str), "kv_events_config", "topic must be a string")
+        publisher = config.publisher or ("zmq" if config.enable_kv_cache_events else "null")
+        check(publisher in ("zmq", "null"), "kv_events_config", f"publisher must be zmq or null, got {publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            number = getattr(config, name)
+            check(isinstance(number, int) and not isinstance(number, bool) and number > 0, "kv_events_config",
+                  f"{name} must be a positive integer, got {number!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            address = getattr(config, name)
+            check(address is None or (isinstance(address, str) and address.startswith(("tcp://", "ipc://", "inproc://"))),
+                  "kv_events_config", f"{name} must be a tcp://, ipc:// or inproc:// address, got {address!r}")
+        return cls(**{**values, "publisher": publisher})
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
 @dataclass(frozen=True)

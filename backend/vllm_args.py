@@ -211,7 +211,6 @@ VLLM_ENGINE_ARGS: dict[str, VllmArg] = {
     "ngram_prompt_lookup_max": default_only(SPECULATIVE),
     "ngram_prompt_lookup_min": default_only(SPECULATIVE),
     "kv_transfer_config": default_only("no disaggregated prefill / KV transfer here"),
-    "kv_events_config": default_only("the engine publishes no KV-cache events"),
     "scheduler_cls": default_only(NO_REMOTE_CODE + "; the scheduler is backend/core/scheduler.py",
                                   one_of("vllm.core.scheduler.Scheduler", "vllm.v1.core.sched.scheduler.Scheduler")),
     "worker_cls": default_only(NO_REMOTE_CODE, one_of("auto")),
@@ -230,7 +229,7 @@ SAME_NAME = ("model", "tokenizer", "skip_tokenizer_init", "revision", "seed", "m
              "max_num_seqs", "quantization", "kv_cache_dtype", "device", "preemption_mode",
              "enable_chunked_prefill", "speculative_config", "scheduling_policy", "generation_config",
              "override_generation_config", "stream_interval", "nnodes", "node_rank", "master_addr",
-             "master_port", "enable_lora", "max_loras", "max_lora_rank")
+             "master_port", "enable_lora", "max_loras", "max_lora_rank", "kv_events_config")
 
 
 def translate(values: dict[str, Any], own_fields: set[str]) -> tuple[dict[str, Any], list[str]]:

@@ -25,6 +25,7 @@ from backend.model_paths import resolve_model_path
 from backend.worker.model_runner import ModelRunner
 from backend.engine.output_processor import ChildState, OutputProcessor, ParentRequest, make_output
 from backend.engine.detokenizer import IncrementalDetokenizer
+from backend.engine.kv_events import KVEventPublisher
 from backend.errors import CONTEXT_LENGTH_EXCEEDED, KV_CACHE_TOO_SMALL, EngineError, check
 from backend.outputs import RequestOutput
 from backend.core.request import Request, RequestStatus
@@ -77,9 +78,11 @@ class LLMEngine:
         max_batched = self.limits.max_num_batched_tokens
         self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len)
         self.vocab_size = self.runner.args.vocab_size
+        self.kv_events = KVEventPublisher.create(config.kv_events_config, config.block_size, self.runner.num_blocks)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        config.enable_prefix_caching, self.runner.num_swap_blocks,
-                                       sliding_window=self.limits.sliding_window)
+                                       sliding_window=self.limits.sliding_window,
+                                       enable_kv_cache_events=self.kv_events is not None)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, max_batched,
                                    config.enable_chunked_prefill, config.preemption_mode,
@@ -289,6 +292,11 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache.reset_prefix_cache()
+        self._publish_kv_events()  # now: no step may follow soon
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv_cache.take_events())
 
     def on_worker_failure(self, callback) -> None:
         """Call `callback(message)` when a tensor/pipeline-parallel rank dies."""
@@ -331,6 +339,7 @@ class LLMEngine:
             outputs += self.output_processor.make_outputs(update.appended)
         elif self.compiling:
             futures.wait(self.compiling.values(), GRAMMAR_POLL_S, futures.FIRST_COMPLETED)
+        self._publish_kv_events()
         self._update_gauges()
         return outputs
 
@@ -383,3 +392,5 @@ class LLMEngine:
         """Stop the grammar pool and the tensor/pipeline-parallel worker ranks, if any (idempotent)."""
         self.grammars.shutdown()
         self.runner.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
