@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kv_cache.h"
 #include "vectors.h"
 
 namespace {
@@ -109,61 +110,6 @@ void reshape_and_cache(T* cache, const T* key, int64_t key_stride, const T* valu
   }
 }
 
-// 8-bit KV caches (kv_cache_dtype fp8): float8 E4M3 (the "fn" variant: no infinities, 448 its
-// largest value) or E5M2, each code x / scale for its layer's key or value scale.
-struct e4m3 {
-  uint8_t bits;
-};
-struct e5m2 {
-  uint8_t bits;
-};
-template <typename C> struct Fp8Format;
-template <> struct Fp8Format<e4m3> {
-  static constexpr int kMantissa = 3, kBias = 7;
-  static constexpr float kMax = 448.f, kMinNormal = 0x1p-6f;
-  static constexpr float kUnit = 256.f;  // what load() leaves out of each value (below)
-};
-template <> struct Fp8Format<e5m2> {
-  static constexpr int kMantissa = 2, kBias = 15;
-  static constexpr float kMax = 57344.f, kMinNormal = 0x1p-14f;
-  static constexpr float kUnit = 1.f;
-};
-
-typedef uint8_t vbyte __attribute__((vector_size(kLanes)));
-
-// kLanes codes -> float32, as the value / kUnit: an E5M2 code is a float16's top byte and an E4M3
-// code's exponent and mantissa sit one bit lower, where they read as the value / 2^8 (subnormals
-// included); the callers fold kUnit into the attention's scales, never per element. Where there is
-// no float16 conversion instruction, the code's bits go into a float32's places instead (a float32
-// subnormal for a subnormal code) and one multiply by 2^112 rebiases both types' exponents.
-template <typename C> __attribute__((always_inline)) inline vfloat load_fp8(const C* p) {
-  vbyte bytes;
-  std::memcpy(&bytes, p, sizeof bytes);
-#if defined(__AVX512F__) || defined(__F16C__)
-  vhalf code = __builtin_convertvector(bytes, vhalf) << 8;
-  // E4M3: the sign stays, the rest moves down a bit (a shift and one bitwise select, vpternlog).
-  if constexpr (std::is_same_v<C, e4m3>) code = ((code >> 1) & 0x3fff) | (code & 0x8000);
-#if defined(__AVX512F__)
-  return (vfloat)_mm512_maskz_cvtph_ps(0xffff, (__m256i)code);  // not _mm512_cvtph_ps: GCC 12 warns in it
-#else
-  return (vfloat)_mm256_cvtph_ps((__m128i)code);
-#endif
-#else
-  const vuint code = __builtin_convertvector(bytes, vuint);
-  vuint bits = (code & 0x7fu) << (std::is_same_v<C, e5m2> ? 21 : 20);
-  vfloat magnitude;
-  std::memcpy(&magnitude, &bits, sizeof magnitude);
-  magnitude *= 0x1p112f;
-  std::memcpy(&bits, &magnitude, sizeof bits);
-  bits |= (code & 0x80u) << 24;
-  vfloat value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-#endif
-}
-__attribute__((always_inline)) inline vfloat load(const e4m3* p) { return load_fp8(p); }
-__attribute__((always_inline)) inline vfloat load(const e5m2* p) { return load_fp8(p); }
-
 // kLanes floats -> codes, as torch's float32 -> float8 conversion after a clamp to the largest
 // value: rounded to nearest even. Normal values round their float32 bits to the code's mantissa;
 // subnormal ones (below kMinNormal) are rounded to a multiple of the smallest step by adding a
@@ -247,15 +193,6 @@ void silu_and_mul(T* out, const T* x, int64_t rows, int64_t size) {
       store(out + r * size + i, silu_and_mul_lanes<T>(load(gate + i), load(gate + size + i)));
     }
   }
-}
-
-// The cache row (block * block_size + offset) holding a sequence's position. block_size is a power
-// of two (EngineConfig checks): shifts, not a division per position. always_inline here and below:
-// GCC does not inline into the attention kernels otherwise (their fp-contract attribute differs),
-// and a call per position cost random-block attention 0.78 -> 0.99 ms a layer.
-__attribute__((always_inline)) inline int64_t row_of(const int32_t* table, int64_t pos, int64_t block_size) {
-  const int shift = __builtin_ctzll(block_size);
-  return (int64_t(table[pos >> shift]) << shift) + (pos & (block_size - 1));
 }
 
 // One item of attention work, a (token, KV head): where its keys and values are, its sequence's

@@ -4,10 +4,12 @@ new keys and values into their cache slots, then attend each query over its sequ
 The step's tokens come flat: first one token per decoding sequence, then each prefill chunk in
 turn. The C++ kernel of `backend/ops/cpu_ops.py` attends the decodes and short chunks in one call,
 reading the blocks in place a token at a time. Prefill chunks of FLASH_MIN_QUERY_TOKENS or more go
-through `flash_prefill`: torch's blocked CPU flash attention over the chunk's own new keys, then over
-its cached prefix a tile of blocks at a time, the parts merged by their log-sum-exp (no [Tq, L] score
-matrix, no copy of the whole context). An 8-bit (fp8) cache takes the same paths: the C++ kernels
-quantize as they write and dequantize as they read, `flash_prefill` dequantizes its gathered tiles.
+through the C++ prefill kernel (`cpu_ops.prefill_attention`: query and key tiles over the blocks in
+place, an online softmax), or with TRITONLLM_CPU_PREFILL_ATTENTION=flash through `flash_prefill`:
+torch's blocked CPU flash attention over the chunk's own new keys, then over its cached prefix a tile
+of blocks at a time, the parts merged by their log-sum-exp (no [Tq, L] score matrix, no copy of the
+whole context). An 8-bit (fp8) cache takes the same paths: the C++ kernels quantize as they write and
+dequantize as they read, `flash_prefill` dequantizes its gathered tiles.
 Where the C++ kernel does not apply (other head sizes, sinks, a one-part cache), decodes run as one batched, masked attention over gathered blocks
 and every prefill chunk through `flash_prefill`, or, under a sliding window that hides part of it or
 a soft cap, through the torch reference. A chunk holding bidirectional ranges (Gemma 3's images)
@@ -23,6 +25,7 @@ of one part, [1, 1, num_blocks, block_size, D] (multi-head latent attention: one
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +35,15 @@ from backend.kernels.reference import (FP8_KV_DTYPES, causal_attention_reference
                                       paged_attention_decode_reference, quantize_kv, reshape_and_cache_reference)
 
 
-# Prefill chunks of this many query tokens or more run on torch's blocked flash attention instead of
-# the C++ kernel, which reads every key once per query token and scores it with vector dot products
-# (fine for decodes and short chunks). One layer alone the flash op wins at fewer tokens, but whole
-# steps add a call per chunk and the pieces' concatenation: where they break even was measured
-# (docs/benchmarks.md, long prompts, and "Measured reasons behind code choices").
+# Prefill chunks of this many query tokens or more run on a prefill kernel (ours, or torch's blocked
+# flash attention) instead of the C++ decode kernel, which reads every key once per query token and
+# scores it with vector dot products (fine for decodes and short chunks). One layer alone the prefill
+# kernels win at fewer tokens, but whole steps add a call per chunk and the pieces' concatenation:
+# where they break even was measured (docs/benchmarks.md, long prompts, and "Measured reasons behind
+# code choices").
 FLASH_MIN_QUERY_TOKENS = 160
+# Long chunks on the C++ prefill kernel (csrc/cpu_prefill_attention.cpp); "flash" keeps torch's op.
+OWN_PREFILL_KERNEL = os.environ.get("TRITONLLM_CPU_PREFILL_ATTENTION") != "flash"
 # Positions of a chunk's cached prefix gathered and attended at a time: a bound on the copy, large
 # enough that a context of up to 8k positions takes one tile (each tile adds a pass to merge it).
 PREFIX_TILE_TOKENS = 8192
@@ -126,7 +132,8 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      meta: AttentionMetadata, scale: float, sliding_window: int | None,
                      logits_soft_cap: float | None, k_scale: float, v_scale: float) -> torch.Tensor:
     """The C++ kernel for the decodes and short prefill chunks (reading the blocks in place, one
-    token at a time), `flash_prefill` for chunks of at least FLASH_MIN_QUERY_TOKENS it takes."""
+    token at a time), the C++ prefill kernel (or `flash_prefill`) for chunks of at least
+    FLASH_MIN_QUERY_TOKENS that `flash_takes`."""
     num_tokens, num_heads, head_dim = query.shape
     long_spans = [span for span in meta.prefills if span.bidirectional or (
         span.num_query_tokens >= FLASH_MIN_QUERY_TOKENS and flash_takes(span, sliding_window, logits_soft_cap))]
@@ -146,6 +153,9 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if span.bidirectional:
             pieces.append(reference_prefill(query[rows], kv_cache, span, scale, sliding_window=sliding_window,
                                             logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale))
+        elif span.num_query_tokens and OWN_PREFILL_KERNEL:  # the cache holds the chunk's keys by now
+            pieces.append(cpu_ops.prefill_attention(query[rows], kv_cache, span.block_table, span.context_len, scale,
+                                                    k_scale=k_scale, v_scale=v_scale))
         elif span.num_query_tokens:
             pieces.append(flash_prefill(query[rows], key[rows], value[rows], kv_cache, span, scale,
                                         k_scale=k_scale, v_scale=v_scale))

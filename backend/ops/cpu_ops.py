@@ -37,9 +37,9 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parents[1] / "csrc"
-SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_linear_f32.cpp", CSRC / "cpu_lora.cpp",
-           CSRC / "cpu_moe.cpp"]
-HEADERS = [CSRC / "vectors.h"]
+SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "cpu_prefill_attention.cpp", CSRC / "cpu_linear.cpp",
+           CSRC / "cpu_linear_f32.cpp", CSRC / "cpu_lora.cpp", CSRC / "cpu_moe.cpp"]
+HEADERS = [CSRC / "vectors.h", CSRC / "kv_cache.h"]
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
 PORTABLE_FLAGS = ["-mno-avx512bf16"]  # x86-64 only
 # TRITONLLM_CPU_ARCH's x86-64 levels and the CPU flags each needs beyond the one below it (those
@@ -61,6 +61,8 @@ SIGNATURES = {
     "reshape_and_cache_fp8": [ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, f32],
     "paged_attention_fp8": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i64, f32,
                             i64, f32, f32],
+    "prefill_attention": [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32],
+    "prefill_attention_fp8": [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, i64, f32, f32],
 }
 FLOAT32_ONLY = {"sample_rows"}  # logits are float32 whatever the model's dtype
 
@@ -317,6 +319,29 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         _call("paged_attention_fp8", query.dtype, *args, kv_cache.dtype == torch.float8_e5m2, k_scale, v_scale)
     else:
         _call("paged_attention", query.dtype, *args)
+    return out
+
+
+def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int,
+                      scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """One prefill chunk's queries [Tq, H, D] (D 64 or 128, H a multiple of the cache's KV heads, at
+    most 8 per KV head) at positions [context_len - Tq, context_len), each attending causally to
+    every position up to its own, read in place from kv_cache [2, KVH, num_blocks, block_size, D]
+    (query's dtype, or 8-bit as in `paged_attention`), which already holds the chunk's own keys and
+    values; block_table [>= ceil(context_len / block_size)] int32 (`csrc/cpu_prefill_attention.cpp`).
+    Returns [Tq, H, D]."""
+    if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+        query = query.contiguous()
+    tokens, heads, dim = query.shape
+    _, kv_heads, num_blocks, block_size, _ = kv_cache.shape
+    block_table = block_table.to(torch.int32).contiguous()
+    out = torch.empty(tokens, heads, dim, dtype=query.dtype)
+    args = (out.data_ptr(), query.data_ptr(), query.stride(0), kv_cache.data_ptr(), block_table.data_ptr(), tokens,
+            context_len, heads, kv_heads, dim, num_blocks, block_size, scale)
+    if kv_cache.dtype in FP8_CACHES:
+        _call("prefill_attention_fp8", query.dtype, *args, kv_cache.dtype == torch.float8_e5m2, k_scale, v_scale)
+    else:
+        _call("prefill_attention", query.dtype, *args)
     return out
 
 

@@ -1,9 +1,10 @@
 """The CPU path's prefill attention (`backend/ops/attention.py`): chunks long enough go through
-`flash_prefill` (torch's blocked flash attention, tile by tile over the paged cache, parts merged by
-their log-sum-exp), the rest through the C++ kernel or the torch reference. Each against the torch
-references, over a step that mixes decodes, short chunks, fresh long chunks and long chunks after a
-cached prefix of several tiles; and chunks with bidirectional ranges (Gemma 3's images) against a
-mask built here."""
+the C++ prefill kernel (`cpu_ops.prefill_attention`, query and key tiles over the paged cache in
+place) or `flash_prefill` (torch's blocked flash attention, tile by tile over the paged cache, parts
+merged by their log-sum-exp), the rest through the C++ decode kernel or the torch reference. Each
+against the torch references, over a step that mixes decodes, short chunks, fresh long chunks and
+long chunks after a cached prefix of several tiles; and chunks with bidirectional ranges (Gemma 3's
+images) against a mask built here."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from backend import ops
-from backend.ops import attention
+from backend.ops import attention, cpu_ops
 from backend.ops.attention import AttentionMetadata, PrefillSpan, cache_views, flash_prefill
 from backend.kernels import reference
 from tests.utils.kernels import DEVICE
@@ -107,12 +108,14 @@ def small_tiles(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
-@pytest.mark.parametrize("path", ["fused", "torch"])
-def test_mixed_step_matches_reference(dtype, heads, kv_heads, head_dim, path):
-    """The C++ kernel's path (decodes and the short chunk there, the long chunks in flash tiles) and
-    the torch path (no token_rows: every chunk in flash tiles) against the references."""
+@pytest.mark.parametrize("path", ["fused", "fused_flash", "torch"])
+def test_mixed_step_matches_reference(dtype, heads, kv_heads, head_dim, path, monkeypatch):
+    """The C++ kernels' path (decodes and the short chunk on the decode kernel, the long chunks on the
+    prefill kernel, or with fused_flash in flash tiles) and the torch path (no token_rows: every chunk
+    in flash tiles) against the references."""
     torch.manual_seed(0)
     query, key, value, cache, meta = make_step(SEQUENCES, heads, kv_heads, head_dim, dtype)
+    monkeypatch.setattr(attention, "OWN_PREFILL_KERNEL", path == "fused")
     if path == "torch":
         meta.token_rows = None
     scale = head_dim ** -0.5
@@ -163,6 +166,49 @@ def test_flash_prefill_matches_reference_over_cached_prefix(done, new):
     key_slots[:, meta.slot_mapping], value_slots[:, meta.slot_mapping] = key.transpose(0, 1), value.transpose(0, 1)
     actual = flash_prefill(query, key, value, cache, span, 0.125)
     torch.testing.assert_close(actual.flatten(1), expected, **TOLERANCE[torch.float32])
+
+
+needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernels are not built here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
+@pytest.mark.parametrize("done,new", [(0, 200), (150, 80), (31, 65), (32, 1), (0, 33)])
+def test_prefill_kernel_matches_reference(dtype, heads, kv_heads, head_dim, done, new):
+    """The C++ prefill kernel alone, one chunk over the cache that already holds it: fresh, after a
+    prefix, chunks and prefixes that end mid tile (its query tiles are 64 tokens, its key tiles 32),
+    a single token. Blocks outside the table and positions past the context hold NaN: a read of any
+    of them would show."""
+    torch.manual_seed(7)
+    query, key, value, cache, meta = make_step([(done, new)], heads, kv_heads, head_dim, dtype, num_decodes=0)
+    span = meta.prefills[0]
+    cache_views(cache)[0].reshape(-1, kv_heads, head_dim)[meta.slot_mapping] = key
+    cache_views(cache)[1].reshape(-1, kv_heads, head_dim)[meta.slot_mapping] = value
+    expected = attention.reference_prefill(query, cache, span, head_dim ** -0.5)
+    poisoned = torch.full_like(cache, float("nan"))
+    for block in span.block_table.tolist():
+        poisoned[:, :, block] = cache[:, :, block]
+    poisoned.view(2, kv_heads, -1, head_dim)[:, :, (span.block_table[-1] + 1) * BLOCK_SIZE - (-(done + new) % BLOCK_SIZE):
+                                             (span.block_table[-1] + 1) * BLOCK_SIZE] = float("nan")
+    actual = cpu_ops.prefill_attention(query, poisoned, span.block_table, span.context_len, head_dim ** -0.5)
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
+
+
+@needs_kernels
+def test_prefill_kernel_float32_within_a_few_ulp():
+    """float32 scores and weights from the kernel's polynomial 2^x (relative error ~2e-7): the output
+    within 1e-5 of float64 attention over a 600-token chunk after a 300-token prefix, scores spread
+    over tens of units (large logits exercise the running max)."""
+    torch.manual_seed(8)
+    query, key, value, cache, meta = make_step([(300, 600)], 9, 3, 64, torch.float32, num_decodes=0)
+    span = meta.prefills[0]
+    query = query * 4
+    cache_views(cache)[0].reshape(-1, 3, 64)[meta.slot_mapping] = key
+    cache_views(cache)[1].reshape(-1, 3, 64)[meta.slot_mapping] = value
+    expected = attention.reference_prefill(query.double(), cache.double(), span, 0.125)
+    actual = cpu_ops.prefill_attention(query, cache, span.block_table, span.context_len, 0.125)
+    torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_flash_prefill_reads_no_block_past_the_prefix():
