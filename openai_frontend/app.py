@@ -66,6 +66,7 @@ class Settings:
     request_timeout: float | None = None  # seconds for a whole request (Triton cancels it past them); none
     header_timeout: float = 10.0  # seconds a client has to send a request's headers
     body_timeout: float = 30.0  # seconds a client has to send a request's body, once its headers are in
+    write_timeout: float = 30.0  # seconds a response may wait for a client that reads nothing; then cancelled
     prompt_as_text: bool = False  # the llm model is Triton's own vLLM backend: text prompts, its inputs only
     # Images in chat content (openai_frontend/media.py): data URLs always; these open other sources.
     allowed_media_domains: list[str] = field(default_factory=list)  # hosts of http(s) image URLs; none: refused
@@ -85,7 +86,7 @@ class Settings:
         model = str(Path(model).expanduser())
         if self.routing not in ROUTING:
             raise ValueError(f"routing: one of {', '.join(ROUTING)}, got {self.routing!r}")
-        for name in ("request_timeout", "header_timeout", "body_timeout", "media_fetch_timeout"):
+        for name in ("request_timeout", "header_timeout", "body_timeout", "write_timeout", "media_fetch_timeout"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive seconds, got {getattr(self, name)}")
         if self.triton_urls_file is not None and not Path(self.triton_urls_file).is_file():

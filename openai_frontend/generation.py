@@ -143,10 +143,14 @@ class Choices:
                      prompt_tokens_details=details)
 
 
+CHUNKS_AHEAD = 4  # per generation, in merge()
+
+
 async def merge(streams: list[AsyncGenerator[Chunk, None]]) -> AsyncGenerator[tuple[int, Chunk], None]:
     """Interleave several generations as (prompt index, chunk); the first failure ends them all.
-    Leaving early cancels every generation still running."""
-    queue: asyncio.Queue = asyncio.Queue()
+    Leaving early cancels every generation still running. A few chunks a generation are read ahead,
+    no more: a client that reads slowly slows its generations' reading too (gRPC's flow control)."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=CHUNKS_AHEAD * len(streams))
     end = object()
 
     async def pump(index: int, stream: AsyncGenerator[Chunk, None]) -> None:

@@ -66,6 +66,8 @@ HELP = {
     "header_timeout": "seconds a client has to send a request's headers, else 408 and the connection closed",
     "body_timeout": "seconds a client has to send a request's body once its headers are in, else 408 and the "
                     "connection closed",
+    "write_timeout": "seconds a response may wait for a client that does not read it (a full send buffer), then "
+                     "its request is cancelled, freeing its KV blocks, and the connection closed",
     "prompt_as_text": "send each prompt to Triton as text (`text_input`, decoded from its token ids) with only the "
                       "inputs of Triton's own vLLM backend, serving it as the `llm` model; cache_salt is refused",
     "allowed_media_domains": "hosts whose http(s) image URLs are fetched, comma-separated or repeated (vLLM's flag; "
@@ -80,22 +82,31 @@ HELP = {
                            "model's own bound)",
 }
 READ_TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+# What a connection buffers for a client that reads slower than the server writes: past it, writing
+# waits (uvicorn's flow control) and the stream stops pulling from Triton. asyncio's default, made explicit.
+WRITE_BUFFER_BYTES = 64 * 1024
 
 
 class TimedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with deadlines on reading a request, which uvicorn lacks (its
-    timeout_keep_alive covers only the idle time between requests): the headers must arrive within
-    `header_timeout` of the connection or of the request's first byte, the body within
-    `body_timeout` of the headers. Past either the client gets a 408 (if no response has started)
-    and the connection is closed, so slow or stalled clients cannot hold connections open."""
+    """uvicorn's h11 protocol with deadlines on reading a request and on writing a response, which
+    uvicorn lacks (its timeout_keep_alive covers only the idle time between requests): the headers
+    must arrive within `header_timeout` of the connection or of the request's first byte, the body
+    within `body_timeout` of the headers. Past either the client gets a 408 (if no response has
+    started) and the connection is closed, so slow or stalled clients cannot hold connections open.
+    A response whose write buffer (WRITE_BUFFER_BYTES) stays full for `write_timeout`, a client that
+    stopped reading, has its connection aborted: the app sees a disconnect, which cancels the
+    request's Triton calls (and frees its KV blocks) as when the client leaves."""
 
     header_timeout = 10.0
     body_timeout = 30.0
+    write_timeout = 30.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
         self.reading: str | None = None  # "headers" or "body" while a deadline runs
         self.read_timer: asyncio.TimerHandle | None = None
+        self.write_timer: asyncio.TimerHandle | None = None  # runs while the write buffer is full
         self.arm("headers")
 
     def data_received(self, data: bytes) -> None:
@@ -108,7 +119,26 @@ class TimedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.arm(None)
+        self.resume_writing()  # nothing waits to be written any more: no write deadline
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is past its high-water mark: the client is not keeping up."""
+        super().pause_writing()
+        if self.write_timer is None:
+            self.write_timer = self.loop.call_later(self.write_timeout, self.write_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.write_timer is not None:
+            self.write_timer.cancel()
+            self.write_timer = None
+
+    def write_expired(self) -> None:
+        self.write_timer = None
+        self.logger.info("%s:%d - closed: the client did not read its response for %g s", *(self.client or ("?", 0)),
+                         self.write_timeout)
+        self.transport.abort()  # close() would wait to send the buffer; connection_lost tells the app
 
     def follow(self) -> None:
         """Run the deadline that fits what is being read now, if any."""
@@ -144,9 +174,10 @@ class TimedH11Protocol(H11Protocol):
 
 
 def server_config(app, settings: Settings, log_level: str = "info") -> uvicorn.Config:
-    """uvicorn's settings for the frontend: its address and the request-reading deadlines."""
+    """uvicorn's settings for the frontend: its address and the reading and writing deadlines."""
     protocol = type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout": settings.header_timeout,
-                                                              "body_timeout": settings.body_timeout})
+                                                              "body_timeout": settings.body_timeout,
+                                                              "write_timeout": settings.write_timeout})
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level, http=protocol)
 
 
