@@ -41,7 +41,7 @@ from backend.kernels.reference import (FP8_KV_DTYPES, causal_attention_reference
 # kernels win at fewer tokens, but whole steps add a call per chunk and the pieces' concatenation:
 # where they break even was measured (docs/benchmarks.md, long prompts, and "Measured reasons behind
 # code choices").
-FLASH_MIN_QUERY_TOKENS = 160
+FLASH_MIN_QUERY_TOKENS = 64
 # Long chunks on the C++ prefill kernel (csrc/cpu_prefill_attention.cpp); "flash" keeps torch's op.
 OWN_PREFILL_KERNEL = os.environ.get("TRITONLLM_CPU_PREFILL_ATTENTION") != "flash"
 # Positions of a chunk's cached prefix gathered and attended at a time: a bound on the copy, large
