@@ -67,6 +67,10 @@ class EngineConfig:
         "help": "streamed outputs every this many tokens (the first at once): fewer, larger messages, "
                 "less host work per token"})
     swap_space: float = field(default=4.0, metadata={"help": "GiB of CPU swap space for preemption_mode=swap"})
+    kv_offloading_size: float | None = field(default=None, metadata={
+        "help": "GiB (across all ranks) of a second KV tier: prefix-cache blocks evicted from the KV "
+                "cache are kept there (pinned host memory beside a GPU; on a CPU a file-backed mapping "
+                "under $TMPDIR) and copied back on a prefix hit instead of recomputed; default: none"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel workers"})
     pipeline_parallel_size: int = field(default=1, metadata={"help": "pipeline-parallel stages"})
     nnodes: int = field(default=1, metadata={"help": "hosts the tensor x pipeline ranks span (multi-node)"})
@@ -129,6 +133,8 @@ class EngineConfig:
         check_field(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
                     f"must be one of {', '.join(SCHEDULING_POLICIES)}")
         check_field(self.swap_space >= 0, "swap_space", "must not be negative")
+        check_field(self.kv_offloading_size is None or self.kv_offloading_size >= 0, "kv_offloading_size",
+                    "must not be negative")
         check_field(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
         check_field(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be at least 1")
         check_field(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")

@@ -12,6 +12,11 @@ a block never handed out, so every position keeps its place in the table, and th
 kernels never read it (they start each token at its window). A freed block keeps its contents and
 hash like any freed block: a later prompt with the same prefix still hits it until it is evicted.
 
+With a second KV tier (`kv_offloading_size`, core/kv_tier.py) an evicted cached block is not lost:
+its contents are copied to a tier slot before its new owner writes it, and a prompt whose prefix
+goes on past the cache's hits into the tier gets fresh blocks copied back from there, counted as
+computed. The copies wait in `offloads` and `loads` until the scheduler takes them for the step.
+
 With `enable_kv_cache_events` the manager also records what enters and leaves the hash map
 (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`); the engine takes them after each step
 (`take_events`) and publishes them, as vLLM's block pool does.
@@ -19,9 +24,11 @@ With `enable_kv_cache_events` the manager also records what enters and leaves th
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from backend.core.kv_tier import KVTier
 from backend.core.request import Request
 
 NULL_BLOCK = 0  # with a sliding window: where block-table entries behind every window point
@@ -64,7 +71,7 @@ class Block:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  num_swap_blocks: int = 0, sliding_window: int | None = None,
-                 enable_kv_cache_events: bool = False) -> None:
+                 enable_kv_cache_events: bool = False, num_tier_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
         self.num_swap_blocks = num_swap_blocks
         self.free_swap_blocks = list(range(num_swap_blocks))
@@ -79,6 +86,10 @@ class KVCacheManager:
             del self.free_blocks[NULL_BLOCK]
         self.num_usable_blocks = len(self.free_blocks)
         self.num_window_freed_blocks = 0  # blocks freed behind a sliding window, in total
+        # The second tier's slots are host-store blocks after the swap space's.
+        self.tier = KVTier(num_tier_blocks, num_swap_blocks) if num_tier_blocks and enable_prefix_caching else None
+        self.offloads: list[tuple[int, int]] = []  # this step's (evicted block, tier slot) copies
+        self.loads: list[tuple[int, int]] = []  # and (tier slot, block) copies back
         # Changes to hash_to_block since the last take_events (None: not recorded).
         self.events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
 
@@ -106,30 +117,51 @@ class KVCacheManager:
     def _block_hash(self, parent: int | None, token_ids: tuple[int, ...], key: str | tuple | None) -> int:
         return hash((parent, token_ids, key))
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Blocks holding the longest cached prefix of the request, never covering its last token
-        (that token's logits must be computed)."""
-        if not self.enable_prefix_caching:
-            return []
-        hits: list[int] = []
+    def _prefix_blocks(self, request: Request):
+        """(hash, token ids, key) of each full block of the request before its last token (that
+        token's logits must be computed, so no hit covers it)."""
         parent = None
         tokens = request.all_token_ids
         for start in range(0, request.num_tokens - 1 - self.block_size + 1, self.block_size):
             block_tokens = tuple(tokens[start:start + self.block_size])
             key = request.block_key(start, start + self.block_size)
             parent = self._block_hash(parent, block_tokens, key)
-            block_id = self.hash_to_block.get(parent)
+            yield parent, block_tokens, key
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks holding the longest cached prefix of the request, never covering its last token
+        (that token's logits must be computed)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for block_hash, block_tokens, key in self._prefix_blocks(request):
+            block_id = self.hash_to_block.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != block_tokens or self.blocks[block_id].key != key:
                 break
             hits.append(block_id)
         return hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: list[int] | None = None) -> bool:
-        """Give the request blocks for `num_new_tokens` more tokens (after any cached prefix).
-        Returns False, changing nothing, when there are not enough free blocks."""
+    def find_offloaded_prefix(self, request: Request, num_cached_blocks: int) -> list[int]:
+        """Hashes of the blocks after the first `num_cached_blocks` that the second tier holds, up
+        to the first it lacks: the prefix hit goes on there."""
+        if self.tier is None:
+            return []
+        hits: list[int] = []
+        for block_hash, block_tokens, key in itertools.islice(self._prefix_blocks(request), num_cached_blocks, None):
+            if self.tier.find(block_hash, block_tokens, key) is None:
+                break
+            hits.append(block_hash)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None,
+                       offloaded: list[int] | None = None) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens after any cached prefix: its
+        blocks in the KV cache (`cached_blocks`), then those in the second tier (`offloaded`, by
+        hash), which take new blocks to be copied into. Returns False, changing nothing, when there
+        are not enough free blocks."""
         cached_blocks = cached_blocks or []
-        num_cached_tokens = len(cached_blocks) * self.block_size
+        offloaded = offloaded or []
+        num_cached_tokens = (len(cached_blocks) + len(offloaded)) * self.block_size
         total = request.num_computed_tokens + num_cached_tokens + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(request.block_table) - len(cached_blocks)
         # Cached blocks with no owner sit in the free queue; taking them uses up free blocks too.
@@ -143,19 +175,43 @@ class KVCacheManager:
             block.ref_count += 1
             request.block_table.append(block_id)
             request.block_hashes.append(block.hash)
+        # Their slots are kept first: the evictions below store blocks in the tier too.
+        entries = [self.tier.load(block_hash) for block_hash in offloaded] if self.tier is not None else []
+        for block_hash, entry in zip(offloaded, entries):
+            block = self.blocks[self._take_free_block()]
+            block.hash, block.token_ids, block.key = block_hash, entry.token_ids, entry.key
+            self._register(block_hash, block, request.block_hashes[-1] if request.block_hashes else None)
+            request.block_table.append(block.block_id)
+            request.block_hashes.append(block_hash)
+            self.loads.append((entry.slot, block.block_id))
         request.num_computed_tokens += num_cached_tokens
-        for _ in range(max(num_new_blocks, 0)):
-            block_id, _ = self.free_blocks.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.hash is not None:  # evict: its old contents are about to be overwritten
-                if self.hash_to_block.get(block.hash) == block_id:
-                    del self.hash_to_block[block.hash]
-                    if self.events is not None:
-                        self.events.append(BlockRemoved(block.hash))
-                block.hash, block.token_ids, block.key = None, (), None
-            block.ref_count = 1
-            request.block_table.append(block_id)
+        for _ in range(max(num_new_blocks - len(offloaded), 0)):
+            request.block_table.append(self._take_free_block())
         return True
+
+    def _take_free_block(self) -> int:
+        """The least recently used free block, for new contents. A cached one is evicted: into
+        the second tier, when there is one (the copy runs before the step writes the block)."""
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved(block.hash))
+                slot = self.tier.store(block.hash, block.token_ids, block.key) if self.tier is not None else None
+                if slot is not None:
+                    self.offloads.append((block_id, slot))
+            block.hash, block.token_ids, block.key = None, (), None
+        block.ref_count = 1
+        return block_id
+
+    def _register(self, block_hash: int, block: Block, parent: int | None) -> None:
+        """Make a full block findable by its hash (an identical block may be there already)."""
+        if block_hash not in self.hash_to_block:
+            self.hash_to_block[block_hash] = block.block_id
+            if self.events is not None:
+                self.events.append(BlockStored(block_hash, parent, block.token_ids, block.key))
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly completed blocks so later requests can share them."""
@@ -173,10 +229,7 @@ class KVCacheManager:
                 continue
             block = self.blocks[request.block_table[index]]
             block.hash, block.token_ids, block.key = block_hash, block_tokens, key
-            if block_hash not in self.hash_to_block:  # an identical block may be there already
-                self.hash_to_block[block_hash] = block.block_id
-                if self.events is not None:
-                    self.events.append(BlockStored(block_hash, parent, block_tokens, key))
+            self._register(block_hash, block, parent)
 
     def free_behind_window(self, request: Request) -> int:
         """Free the request's whole blocks before the window of its next token (position
@@ -242,10 +295,21 @@ class KVCacheManager:
         self.free_swap_blocks.extend(request.swap_blocks)
         request.swap_blocks = []
 
+    def take_tier_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's second-tier copies, (evicted block, tier slot) and (tier slot, block), for
+        the block mover; the tier's slots may be reused after them."""
+        moves = self.offloads, self.loads
+        self.offloads, self.loads = [], []
+        if self.tier is not None:
+            self.tier.moves_taken()
+        return moves
+
     def reset_prefix_cache(self) -> None:
         for block_id in self.free_blocks:
             block = self.blocks[block_id]
             block.hash, block.token_ids, block.key = None, (), None
+        if self.tier is not None:
+            self.tier.clear()
         old_hashes = self.hash_to_block.keys()
         self.hash_to_block = {b.hash: b.block_id for b in self.blocks if b.hash is not None}
         if self.events is not None:

@@ -1,5 +1,6 @@
 """KV-cache memory: how many blocks fit (a measured budget on a GPU, what the model and max_num_seqs
-need on a CPU) and the cache and swap tensors themselves, one per layer, shaped
+need on a CPU) and the tensors themselves: the cache, and the host store that holds swap space and
+the second KV tier, one per layer, shaped
 [2 (key, value), kv heads, blocks, block_size, head_dim]; under multi-head latent attention
 [1 (the latent), 1, blocks, block_size, kv_lora_rank + qk_rope_head_dim].
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,12 +144,35 @@ def allocate_kv_caches(layout: KVCacheLayout, num_blocks: int, device: torch.dev
             for _ in range(layout.num_layers)]
 
 
-def allocate_swap_caches(config: EngineConfig, layout: KVCacheLayout,
-                         device: torch.device) -> tuple[int, list[torch.Tensor]]:
-    """Swap space for preemption_mode=swap: host memory (pinned when the cache is on a GPU)."""
-    if config.preemption_mode != "swap":
-        return 0, []
-    num_blocks = int(config.swap_space * (1 << 30)) // layout.block_bytes
-    pin = device.type == "cuda"
-    return num_blocks, [torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, pin_memory=pin)
-                        for _ in range(layout.num_layers)]
+def host_store_blocks(config: EngineConfig, layout: KVCacheLayout, world_size: int = 1) -> tuple[int, int]:
+    """Blocks of the host store on this rank: swap space (swap_space GiB, for preemption_mode=swap)
+    and the second KV tier (kv_offloading_size GiB across all ranks, as vLLM counts it)."""
+    num_swap = int(config.swap_space * (1 << 30)) // layout.block_bytes if config.preemption_mode == "swap" else 0
+    num_tier = int(config.kv_offloading_size * (1 << 30) / world_size) // layout.block_bytes \
+        if config.kv_offloading_size and config.enable_prefix_caching else 0
+    return num_swap, num_tier
+
+
+def file_backed_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in a shared mapping of an unlinked file under $TMPDIR (a sparse file: nothing is
+    taken until written). The kernel keeps the pages it has room for in the page cache and writes
+    the others to disk, so the host store may outgrow free memory, unlike the KV cache, which is
+    committed at start-up (`resident_zeros`)."""
+    num_bytes = max(math.prod(shape) * (torch.finfo(dtype).bits // 8), 1)
+    with tempfile.TemporaryFile(prefix="tritonllm-kv-") as file:
+        file.truncate(num_bytes)
+        mapping = mmap.mmap(file.fileno(), num_bytes)  # shared: writes go to the file
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def allocate_host_store(layout: KVCacheLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+    """The host store, shaped as the KV cache per layer: blocks [0, swap) are swap space, the rest
+    the second tier's slots. Pinned memory beside a GPU's cache (the block mover's copies run as
+    DMA); on a CPU, where the cache is host memory already, a file-backed mapping, which buys
+    capacity past the committed cache."""
+    if not num_blocks:
+        return []
+    if device.type == "cuda":
+        return [torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, pin_memory=True)
+                for _ in range(layout.num_layers)]
+    return [file_backed_zeros(layout.shape(num_blocks), layout.dtype) for _ in range(layout.num_layers)]

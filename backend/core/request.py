@@ -48,6 +48,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.num_tier_cached_tokens = 0  # of those, the ones loaded back from the second KV tier
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this request's full, cached blocks
         self.swap_blocks: list[int] = []

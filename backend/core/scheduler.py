@@ -6,7 +6,8 @@ its next chunk, a decode with speculative drafts 1 + its drafts, fewer or none w
 blocks are short), then waiting requests in queue order while sequence slots, budget and free blocks
 allow. When blocks run out a victim is preempted (by priority, then recency): by recompute (its
 blocks are freed and it starts over) or by swap (its blocks are copied to CPU swap space and back
-on resume). A waiting request that does not fit may be passed over a bounded number of times so it
+on resume). With a second KV tier, a waiting request's prefix hits go on past the KV cache's into
+the tier; those blocks are copied back before the step (with swap's copies) instead of computed. A waiting request that does not fit may be passed over a bounded number of times so it
 cannot stall smaller requests behind it forever; one whose grammar is still compiling waits
 without being counted as passed over. For a model whose image placeholders attend to each other
 (Gemma 3: `keep_images_whole`), a prefill chunk never ends inside an image's placeholders, so each
@@ -135,16 +136,17 @@ class Scheduler:
             # (No cache hits for a request still scoring its prompt: cached blocks have no logits.)
             reads_cache = not swapped and not request.needs_prompt_logprobs
             cached_blocks = self.kv_cache.find_cached_prefix(request) if reads_cache else []
-            num_new = (request.num_tokens - request.num_computed_tokens
-                       - len(cached_blocks) * self.kv_cache.block_size)
+            # The prefix goes on in the second KV tier: those blocks are copied back, not computed.
+            offloaded = self.kv_cache.find_offloaded_prefix(request, len(cached_blocks)) if reads_cache else []
+            num_cached = (len(cached_blocks) + len(offloaded)) * self.kv_cache.block_size
+            num_new = request.num_tokens - request.num_computed_tokens - num_cached
             fits_budget = num_new <= budget or self.enable_chunked_prefill
             num_new = min(num_new, budget)
             if self.keep_images_whole:
-                first = request.num_computed_tokens + len(cached_blocks) * self.kv_cache.block_size
-                num_new = self._end_outside_images(request, first, num_new)
+                num_new = self._end_outside_images(request, request.num_computed_tokens + num_cached, num_new)
                 fits_budget = fits_budget and num_new > 0
             if not (fits_budget and self._adapter_fits(request)
-                    and self.kv_cache.allocate_slots(request, num_new, cached_blocks)):
+                    and self.kv_cache.allocate_slots(request, num_new, cached_blocks, offloaded)):
                 if request.num_skips < MAX_HEAD_OF_LINE_SKIPS:
                     request.num_skips += 1
                     index += 1
@@ -154,13 +156,15 @@ class Scheduler:
             if swapped:
                 out.swap_in.extend(self.kv_cache.swap_in(request))
             elif request.status == RequestStatus.WAITING:
-                request.num_cached_tokens = len(cached_blocks) * self.kv_cache.block_size
+                request.num_cached_tokens = num_cached
+                request.num_tier_cached_tokens = len(offloaded) * self.kv_cache.block_size
                 out.newly_admitted.append(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled[request] = num_new
             budget -= num_new
         out.scheduled = list(scheduled.items())
+        out.offload, out.load = self.kv_cache.take_tier_moves()
         return out
 
     @staticmethod

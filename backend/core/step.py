@@ -22,17 +22,28 @@ if TYPE_CHECKING:
 class SchedulerOutput:
     """Which requests compute how many tokens this step (a decode's count includes the speculative
     drafts it verifies, which `spec_token_ids` holds by request id), who was preempted or admitted,
-    and which blocks move to and from swap space before the step runs."""
+    and which blocks the block mover copies before the step runs: to and from swap space, and to
+    and from the second KV tier (its slots are host-store blocks too)."""
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     newly_admitted: list[Request] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, swap block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block)
+    offload: list[tuple[int, int]] = field(default_factory=list)  # (evicted device block, tier slot)
+    load: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, device block): tier prefix hits
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
+
+    @property
+    def moves_to_host(self) -> list[tuple[int, int]]:
+        return self.swap_out + self.offload
+
+    @property
+    def moves_to_device(self) -> list[tuple[int, int]]:
+        return self.swap_in + self.load
 
     def drafts(self, request: Request) -> list[int]:
         return self.spec_token_ids.get(request.request_id, [])

@@ -82,7 +82,8 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        config.enable_prefix_caching, self.runner.num_swap_blocks,
                                        sliding_window=self.limits.sliding_window,
-                                       enable_kv_cache_events=self.kv_events is not None)
+                                       enable_kv_cache_events=self.kv_events is not None,
+                                       num_tier_blocks=self.runner.num_tier_blocks)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, max_batched,
                                    config.enable_chunked_prefill, config.preemption_mode,
@@ -322,8 +323,8 @@ class LLMEngine:
         drafts = self.spec.propose(self.scheduler.running) if self.spec is not None else None
         scheduler_output = self.scheduler.schedule(drafts)
         self._count_admissions(scheduler_output)
-        if scheduler_output.swap_out or scheduler_output.swap_in:
-            self.runner.swap_blocks(scheduler_output.swap_out, scheduler_output.swap_in)
+        if scheduler_output.moves_to_host or scheduler_output.moves_to_device:
+            self.runner.move_blocks(scheduler_output.moves_to_host, scheduler_output.moves_to_device)
         if scheduler_output.scheduled:
             runner_output = self.runner.execute_model(scheduler_output)
             if self.spec is not None:
@@ -362,8 +363,12 @@ class LLMEngine:
         for request in plan.newly_admitted:
             if request.metrics.first_scheduled_time is None:  # not again after a preemption
                 request.metrics.first_scheduled_time = time.time()
+            device_hits = request.num_cached_tokens - request.num_tier_cached_tokens
             registry.inc(m.prefix_cache_queries, request.num_prompt_tokens)
-            registry.inc(m.prefix_cache_hits, request.num_cached_tokens)
+            registry.inc(m.prefix_cache_hits, device_hits)
+            if self.kv_cache.tier is not None:
+                registry.inc(m.external_prefix_cache_queries, request.num_prompt_tokens - device_hits)
+                registry.inc(m.external_prefix_cache_hits, request.num_tier_cached_tokens)
 
     def _finish(self, request: Request) -> None:
         self.scheduler.finish(request)

@@ -16,6 +16,10 @@ What is counted follows vLLM v1 (what Triton's vLLM backend exports); docs/trito
 - per user request: `request_params_n`.
 - per sample and step: `time_to_first_token` at its first token; after that, `inter_token_latency`
   and `time_per_output_token` (the same values, as in vLLM v1).
+- per sample at its first admission: `prefix_cache_queries` (its prompt tokens) and
+  `prefix_cache_hits` (those found in the KV cache); with a second KV tier also
+  `external_prefix_cache_queries` (the prompt tokens past those hits) and
+  `external_prefix_cache_hits` (those loaded back from the tier), as vLLM counts its connector's.
 - per step that sampled: `iteration_tokens_total`, the prompt tokens counted that step plus the
   tokens appended (its sum is prompt_tokens + generation_tokens).
 
@@ -137,6 +141,12 @@ class EngineMetrics:
                                 for reason in FINISH_REASONS}
         self.prefix_cache_queries = r.counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = r.counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # The second KV tier (kv_offloading_size) as vLLM counts its KV connector's: the prompt
+        # tokens past the prefix cache's hits, and those of them loaded back from the tier.
+        self.external_prefix_cache_queries = r.counter("vllm:external_prefix_cache_queries",
+                                                       "Prompt tokens looked up in the second KV tier.")
+        self.external_prefix_cache_hits = r.counter("vllm:external_prefix_cache_hits",
+                                                    "Prompt tokens loaded back from the second KV tier.")
         self.spec_decode_num_drafts = r.counter("vllm:spec_decode_num_drafts", "Speculative drafts verified (one per request and step).")
         self.spec_decode_num_draft_tokens = r.counter("vllm:spec_decode_num_draft_tokens", "Speculative draft tokens verified.")
         self.spec_decode_num_accepted_tokens = r.counter("vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")

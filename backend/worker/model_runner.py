@@ -120,7 +120,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         """Size the KV cache to the budget (every rank holds as many blocks as the tightest one),
-        allocate it and, for preemption_mode=swap, its swap space."""
+        allocate it and its host store: swap space for preemption_mode=swap, then the second KV
+        tier's slots (kv_offloading_size)."""
         parts, self.num_kv_heads, width = self.args.kv_cache_entry(self.parallel.tp_size)
         self.num_layers = len(self.model.layers)
         self.layout = KVCacheLayout(self.num_layers, self.num_kv_heads, self.block_size, width,
@@ -128,11 +129,15 @@ class ModelRunner:
         budget = kv_memory.kv_cache_budget(self.config, self.layout, self.model, self.args, self.dtype,
                                            self.device, self.parallel.world_size, self.max_model_len)
         self.num_blocks = kv_memory.num_kv_blocks(self.config, self.layout, budget, self.device)
+        self.num_swap_blocks, self.num_tier_blocks = kv_memory.host_store_blocks(self.config, self.layout,
+                                                                                 self.parallel.world_size)
         if self.parallel.world_size > 1:
             self.num_blocks = min(all_gather(self.num_blocks))
+            self.num_swap_blocks = min(all_gather(self.num_swap_blocks))
+            self.num_tier_blocks = min(all_gather(self.num_tier_blocks))
         self.kv_caches = kv_memory.allocate_kv_caches(self.layout, self.num_blocks, self.device)
-        self.num_swap_blocks, self.swap_caches = kv_memory.allocate_swap_caches(self.config, self.layout,
-                                                                                self.device)
+        self.host_caches = kv_memory.allocate_host_store(self.layout, self.num_swap_blocks + self.num_tier_blocks,
+                                                         self.device)
 
     def _capture_cuda_graphs(self):
         """Decode steps as CUDA graphs: one GPU only (the ranks of a parallel engine run eagerly)."""
@@ -148,21 +153,24 @@ class ModelRunner:
         return self.layout.block_bytes
 
     @torch.inference_mode()
-    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Copy preempted blocks to swap space, then resumed ones back (in that order: a block
-        swapped out may be handed to a resumed request in the same step)."""
+    def move_blocks(self, to_host: list[tuple[int, int]], to_device: list[tuple[int, int]]) -> None:
+        """The block mover: copy (device block, host block) pairs to the host store (preempted
+        blocks to swap space, evicted prefix blocks to the second tier), then (host block, device
+        block) pairs back (resumed requests, second-tier prefix hits). In that order, before the
+        step's forward pass: a block copied out may be handed to another request in the same step."""
         self._check_workers()
         if self.parallel.world_size > 1 and self.parallel.rank == 0:
-            parallel_state.broadcast_plan(("swap", swap_out, swap_in), self.parallel)
-        for pairs, to_swap in ((swap_out, True), (swap_in, False)):
+            parallel_state.broadcast_plan(("move", to_host, to_device), self.parallel)
+        for pairs, out in ((to_host, True), (to_device, False)):
             if not pairs:
                 continue
             src = torch.tensor([p[0] for p in pairs])
             dst = torch.tensor([p[1] for p in pairs])
-            for cache, swap in zip(self.kv_caches, self.swap_caches):
-                source, target = (cache, swap) if to_swap else (swap, cache)
+            for cache, host in zip(self.kv_caches, self.host_caches):
+                source, target = (cache, host) if out else (host, cache)
                 source, target = source.view(torch.uint8), target.view(torch.uint8)  # as bytes: fp8 too
-                blocks = source.index_select(2, src.to(source.device)).to(target.device, non_blocking=True)
+                # (to the host: a blocking copy, which index_copy_ may read at once)
+                blocks = source.index_select(2, src.to(source.device)).to(target.device, non_blocking=not out)
                 target.index_copy_(2, dst.to(target.device), blocks)
 
     @torch.inference_mode()
@@ -359,8 +367,8 @@ class ModelRunner:
                 message = parallel_state.broadcast_plan(None, self.parallel)
                 if message[0] == "step":
                     self._run(message[1])
-                elif message[0] == "swap":
-                    self.swap_blocks(message[1], message[2])
+                elif message[0] == "move":
+                    self.move_blocks(message[1], message[2])
                 else:
                     break
         dist.destroy_process_group()
