@@ -102,34 +102,35 @@ def prepare_llava(target: Path | None = None, *, image_size: int = 336, patch_si
 
 def vllm_with_torchvision(vllm_python: str) -> str:
     """The python of an overlay venv over `vllm_python`'s packages plus torchvision (see the module
-    docstring), made once in the cache."""
+    docstring), made once in the cache (`ready` marks it whole; remove the folder for another vLLM venv)."""
     from backend.model_paths import cache_dir
 
     venv = cache_dir() / "venv-vllm-images"
     python = venv / "bin" / "python"
-    if python.exists():
+    if (venv / "ready").exists():
         return str(python)
     query = "import site, sys, torch; print(site.getsitepackages()[0]); print(sys.executable); print(torch.__version__)"
     site_packages, base, torch_version = subprocess.run([vllm_python, "-c", query], check=True, capture_output=True,
                                                         text=True).stdout.split()
     base_python = subprocess.run([base, "-c", "import sys; print(sys._base_executable)"], check=True,
                                  capture_output=True, text=True).stdout.strip()
-    subprocess.run([base_python, "-m", "venv", str(venv)], check=True)
+    subprocess.run([base_python, "-m", "venv", "--clear", str(venv)], check=True)
     own = Path(subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
                               capture_output=True, text=True).stdout.strip())
-    (own / "vllm-venv.pth").write_text(site_packages + "\n")
+    (own / "vllm-venv.pth").write_text(site_packages + "\n", encoding="utf-8")
     major, minor = (int(part) for part in torch_version.split("+")[0].split(".")[:2])
     torchvision = f"torchvision=={major - 2}.{minor + 15}.*"  # torch 2.13 <-> torchvision 0.28
     subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--disable-pip-version-check",
                     torchvision], check=True)
     registrations = own / "torchvision" / "_meta_registrations.py"
-    text = registrations.read_text()
+    text = registrations.read_text(encoding="utf-8")
     for op in ("nms", "qnms"):
         text = text.replace(f'@torch.library.register_fake("torchvision::{op}")\n',
                             f'@(torch.library.register_fake("torchvision::{op}") '
                             "if torchvision.extension._has_ops() else (lambda fn: fn))\n")
-    registrations.write_text(text)
+    registrations.write_text(text, encoding="utf-8")
     subprocess.run([str(python), "-c", "import torchvision.transforms.v2.functional"], check=True)
+    (venv / "ready").touch()
     return str(python)
 
 
@@ -240,9 +241,10 @@ def run_vllm_offline(python: str, model: str, dtype: str, workloads: list[dict],
             specs.append({"name": workload["name"], "prompts": workload["prompts"], "warm_up": workload["warm_up"],
                           **paths})
         spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec.write_text(json.dumps({"model": model, "dtype": dtype, "max_tokens": output_len, "workloads": specs}))
+        spec.write_text(json.dumps({"model": model, "dtype": dtype, "max_tokens": output_len, "workloads": specs}),
+                        encoding="utf-8")
         subprocess.run([python, str(VLLM_IMAGES), str(spec), str(result)], check=True, env=env)
-        measured = json.loads(result.read_text())
+        measured = json.loads(result.read_text(encoding="utf-8"))
     return {name: {**figures(w["records"], w["seconds"], w["encoder"]), "tokens": w["tokens"],
                    "startup_s": measured["startup_s"]} for name, w in measured["workloads"].items()}
 
@@ -266,7 +268,7 @@ def run_vllm_bench_images(python: str, urls: dict, model: str, workload: dict, n
                    "--extra-body", json.dumps({"cache_salt": f"bench-images-{uuid.uuid4().hex}"}),
                    "--save-result", "--result-dir", tmp, "--result-filename", "result.json"]
         subprocess.run(command, check=True, env=env, stdout=sys.stderr)
-        measured = json.loads((Path(tmp) / "result.json").read_text())
+        measured = json.loads((Path(tmp) / "result.json").read_text(encoding="utf-8"))
     summary = {"requests": measured["completed"], "failed": measured.get("failed", 0), "seconds": measured["duration"],
                "request_throughput": measured["request_throughput"],
                "output_tokens_per_s": measured["output_throughput"],
