@@ -32,6 +32,7 @@ def time_encoder(model):
 
 
 def encoder_totals(model):
+    """The clock's seconds and images since the last call, which starts it again from zero."""
     totals = dict(model.bench_encoder_totals)
     model.bench_encoder_totals.update(seconds=0.0, images=0)
     return totals
