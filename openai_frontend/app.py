@@ -21,6 +21,7 @@ from backend.model_paths import EMBEDDINGS_MODEL_NAME, prepared_default_model
 
 from openai_frontend.errors import OpenAIError, invalid, model_not_found, validation_error
 from openai_frontend.generation import CLIENT_GONE, ClientDisconnected
+from openai_frontend.kv_index import KVEventIndex, parse_endpoints
 from openai_frontend.media import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_MEDIA_BYTES, MediaPolicy, images_per_prompt
 from openai_frontend.metrics import FrontendMetrics, MetricsMiddleware
 from openai_frontend.prompts import PromptBuilder
@@ -43,6 +44,8 @@ class Settings:
     triton_url: list[str] = field(default_factory=list)  # `host:port`, or `dns:///name:port` for all its addresses
     triton_urls_file: str | None = None  # one address a line; re-read every few seconds
     routing: str = "least-outstanding"  # or `prefix` (cache-aware), `round-robin`
+    # Replicas' KV events for `prefix` routing: `host:port=tcp://host:port` pairs, or one endpoint with {host}
+    kv_events_endpoint: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 9000
     api_key: str | None = None
@@ -89,6 +92,9 @@ class Settings:
         for name in ("request_timeout", "header_timeout", "body_timeout", "write_timeout", "media_fetch_timeout"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive seconds, got {getattr(self, name)}")
+        parse_endpoints(self.kv_events_endpoint)  # ValueError naming it
+        if self.kv_events_endpoint and self.routing != "prefix":
+            raise ValueError("kv_events_endpoint: the replicas' KV events serve --routing prefix")
         if self.triton_urls_file is not None and not Path(self.triton_urls_file).is_file():
             raise ValueError(f"triton_urls_file: {self.triton_urls_file} is not a file")
         for url in self.triton_urls():
@@ -122,7 +128,9 @@ class Frontend:
         # Connected inside the event loop (lifespan); TritonClient's calls, routed.
         self.triton = Replicas(settings.triton_urls(), settings.routing, settings.triton_urls_file,
                                settings.request_timeout,
-                               self.prompts.tokenizer.decode if settings.prompt_as_text else None)
+                               self.prompts.tokenizer.decode if settings.prompt_as_text else None,
+                               KVEventIndex(*parse_endpoints(settings.kv_events_endpoint))
+                               if settings.kv_events_endpoint else None)
         self.media = MediaPolicy.from_settings(settings)
         self.metrics = FrontendMetrics(self.triton)
         self.started = int(time.time())

@@ -35,6 +35,10 @@ HELP = {
     "triton_urls_file": "a file with one such address a line (# comments), re-read every 2 s",
     "routing": "how a request picks a replica: least-outstanding, prefix (the prompt's first blocks pick "
                "a replica, so shared system prompts hit its prefix cache) or round-robin",
+    "kv_events_endpoint": "with --routing prefix: a replica's KV-event endpoint (its engine's kv_events_config), "
+                          "REPLICA=ENDPOINT (e.g. 10.0.0.5:8001=tcp://10.0.0.5:5557), or one ENDPOINT with {host} "
+                          "for every replica (tcp://{host}:5557); the router then routes by what each replica's "
+                          "prefix cache holds (default: none, first-block hashing)",
     "host": "address to listen on",
     "port": "port to listen on",
     "api_key": "require `Authorization: Bearer <key>` on every endpoint but /health (/ready, /live), /version, /metrics "

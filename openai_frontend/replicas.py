@@ -3,6 +3,9 @@
 - Routing: `least-outstanding` (the default), `round-robin`, or `prefix`: the prompt's first
   token blocks pick a replica by rendezvous hashing, so requests that share a system prompt land
   where its KV blocks are cached, unless that replica is far busier than the least loaded one.
+  With the replicas' KV events (kv_index.py), `prefix` routes by what their caches really hold:
+  to the replica with the longest cached prefix of the prompt when that is at least half of it,
+  else to the least loaded; first-block hashing only until some replica has published events.
 - Health: every HEALTH_INTERVAL_S a background check asks each replica whether its `llm` model is
   ready and then probes the model's own process (triton.py's `probe`: Triton keeps a model READY
   after its Python stub died); any UNAVAILABLE from a call marks its replica down at once. Its
@@ -34,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from openai_frontend.errors import OpenAIError
+from openai_frontend.kv_index import KVEventIndex
 from openai_frontend.media import ImagePrompt
 from openai_frontend.triton import (EMBEDDINGS_MODEL, LLM_MODEL, Chunk, ReplicaUnavailable, RequestTimeout,
                                     TritonClient)
@@ -133,6 +137,20 @@ def overloaded(outstanding: int, least: int) -> bool:
     return outstanding > 2 * least and outstanding - least >= FALLOVER_EXCESS
 
 
+def cache_affine(candidates: list[Replica], cached: list[int], num_blocks: int, turn: int) -> Replica:
+    """With KV events: the replica holding the most of the prompt's `num_blocks` leading blocks
+    (`cached`, one count per candidate) when that is at least half of them and it is not overloaded
+    against the least loaded (ties: the least loaded of those); otherwise the least loaded, which
+    then computes the prefix and keeps it."""
+    least = min(replica.outstanding for replica in candidates)
+    usable = [(count, replica) for count, replica in zip(cached, candidates)
+              if not overloaded(replica.outstanding, least)]
+    best = max(count for count, _ in usable)
+    if best == 0 or 2 * best < num_blocks:
+        return least_outstanding(candidates, turn)
+    return least_outstanding([replica for count, replica in usable if count == best], turn)
+
+
 def prefix_affine(candidates: list[Replica], key: bytes) -> Replica:
     """The key's first replica in rendezvous order that is not overloaded against the least loaded
     (there is always one: the least loaded itself), so a hot prefix spills to a stable second."""
@@ -163,8 +181,9 @@ async def resolve(entry: str) -> list[str]:
 class Replicas:
     def __init__(self, urls: Iterable[str], routing: str = "least-outstanding",
                  urls_file: str | None = None, request_timeout: float | None = None,
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, kv_index: KVEventIndex | None = None) -> None:
         self.entries, self.urls_file, self.routing = list(urls), urls_file, routing
+        self.kv_index = kv_index  # the replicas' cache contents, from their KV events (prefix routing)
         self.decode = decode  # TritonClient's: prompts sent as text, to Triton's vLLM backend
         self.request_timeout = request_timeout  # seconds for a whole request, retries included
         self.replicas: dict[str, Replica] = {}  # by url, in discovery order
@@ -186,6 +205,8 @@ class Replicas:
         await asyncio.gather(*(task for task in tasks if task is not None), return_exceptions=True)
         for replica in [*self.replicas.values(), *self.retired]:
             await replica.client.close()
+        if self.kv_index is not None:
+            await self.kv_index.close()
         self.replicas.clear()
         self.retired.clear()
 
@@ -227,6 +248,8 @@ class Replicas:
         for replica in [r for r in self.retired if r.outstanding == 0]:
             self.retired.remove(replica)
             await replica.client.close()
+        if self.kv_index is not None:
+            self.kv_index.follow(list(self.replicas))
         await asyncio.gather(*(self.check(replica) for replica in list(self.replicas.values())))
 
     @staticmethod
@@ -306,8 +329,22 @@ class Replicas:
         self.turn += 1
         if self.routing == "round-robin":
             return round_robin(candidates, self.turn)
+        if self.routing == "prefix" and token_ids and self.kv_index is not None and \
+                self.kv_index.live([r.url for r in candidates]):
+            return self.route_by_cache(candidates, token_ids)
         key = prefix_key(token_ids) if self.routing == "prefix" and token_ids else None
         return prefix_affine(candidates, key) if key is not None else least_outstanding(candidates, self.turn)
+
+    def route_by_cache(self, candidates: list[Replica], token_ids: list[int]) -> Replica:
+        assert self.kv_index is not None
+        index = self.kv_index
+        hashes = index.prompt_hashes(token_ids, index.block_size([r.url for r in candidates]))
+        if not hashes:
+            return least_outstanding(candidates, self.turn)
+        cached = [index.cached_blocks(replica.url, hashes) for replica in candidates]
+        replica = cache_affine(candidates, cached, len(hashes), self.turn)
+        index.expect(replica.url, hashes)
+        return replica
 
     @contextmanager
     def sent(self, replica: Replica):

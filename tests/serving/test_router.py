@@ -23,9 +23,10 @@ from openai_frontend import Settings
 from openai_frontend.errors import OpenAIError
 from openai_frontend import replicas as replicas_module
 from openai_frontend.main import parse_settings
+from openai_frontend.kv_index import KVEventIndex, ReplicaCache, parse_endpoints
 from openai_frontend.replicas import (BLOCK_TOKENS, FALLOVER_EXCESS, PREFIX_BLOCKS, Replica, Replicas,
-                                      least_outstanding, parse_urls, prefix_affine, prefix_key, rendezvous_order,
-                                      resolve, round_robin)
+                                      cache_affine, least_outstanding, parse_urls, prefix_affine, prefix_key,
+                                      rendezvous_order, resolve, round_robin)
 from openai_frontend.triton import Chunk, SampleDelta
 from tests.utils.serve import ServedApp, frontend_metrics
 from tests.utils.triton import settled
@@ -83,6 +84,53 @@ def test_prefix_routing_is_sticky_until_its_replica_is_far_busier():
     for replica in pool:
         replica.outstanding += 20  # 28 against 20: not twice the least loaded, so home again
     assert prefix_affine(pool, key) is home
+
+
+def test_cache_affine_follows_the_longest_cached_prefix_when_it_is_most_of_the_prompt():
+    pool = replicas(3, 0, 1)
+    assert cache_affine(pool, [6, 2, 0], num_blocks=8, turn=0) is pool[0]  # 6 of 8 blocks there: busier, still there
+    assert cache_affine(pool, [3, 2, 0], num_blocks=8, turn=0) is pool[1]  # less than half anywhere: least loaded
+    assert cache_affine(pool, [0, 0, 0], num_blocks=8, turn=0) is pool[1]
+    assert cache_affine(pool, [5, 0, 5], num_blocks=8, turn=0) is pool[2]  # a tie: the less loaded of the two
+    pool[0].outstanding = FALLOVER_EXCESS  # far busier than the least loaded: its cache is not worth the wait
+    assert cache_affine(pool, [8, 0, 4], num_blocks=8, turn=0) is pool[2]
+
+
+def test_replica_cache_follows_stored_removed_cleared_and_restarts():
+    cache = ReplicaCache()
+    cache.apply(0, [{"type": "BlockStored", "block_hashes": [1, 2, 3], "parent_block_hash": None, "block_size": 32}])
+    cache.apply(1, [{"type": "BlockRemoved", "block_hashes": [3]}])
+    assert cache.blocks == {1, 2} and cache.block_size == 32
+    cache.apply(2, [{"type": "AllBlocksCleared"}, {"type": "BlockStored", "block_hashes": [9], "block_size": 32}])
+    assert cache.blocks == {9}
+    cache.apply(0, [])  # the sequence went back: a new engine, an empty cache
+    assert cache.blocks == set()
+    assert parse_endpoints(["10.0.0.1:8001=tcp://10.0.0.1:5557", "tcp://{host}:5558"]) == (
+        {"10.0.0.1:8001": "tcp://10.0.0.1:5557"}, "tcp://{host}:5558")
+    for bad in (["tcp://10.0.0.1:5557"], ["10.0.0.1=tcp://10.0.0.1:5557"], ["10.0.0.1:8001=10.0.0.1:5557"]):
+        with pytest.raises(ValueError, match="kv_events_endpoint"):
+            parse_endpoints(bad)
+
+
+def test_prefix_routing_with_events_goes_where_the_blocks_are_and_keeps_a_new_prefix_together():
+    index = KVEventIndex({})
+    router = Replicas([], routing="prefix", kv_index=index)
+    router.replicas = {r.url: r for r in replicas(0, 0)}
+    a, b = router.replicas.values()
+    system = list(range(1000, 1000 + 8 * BLOCK_TOKENS))
+    home = rendezvous_order([a, b], prefix_key(system))[0]
+    other = b if home is a else a
+    assert router.pick(system + [1], tried=[]) is home  # no events yet: first-block hashing
+    index.caches = {a.url: ReplicaCache(), b.url: ReplicaCache()}
+    index.caches[other.url].apply(0, [{"type": "BlockStored", "block_size": BLOCK_TOKENS,
+                                       "block_hashes": index.prompt_hashes(system, BLOCK_TOKENS)}])
+    index.caches[home.url].apply(0, [])
+    assert [router.pick(system + [q], tried=[]) for q in range(5)] == [other] * 5  # where the blocks really are
+    home.outstanding = 1  # a new prefix: the least loaded computes it, and the next ones follow it there
+    fresh = list(range(5000, 5000 + 8 * BLOCK_TOKENS))
+    assert router.pick(fresh + [1], tried=[]) is other
+    other.outstanding = 2
+    assert router.pick(fresh + [2], tried=[]) is other  # expected there, before its events came
 
 
 def test_replicas_that_are_down_are_skipped():
