@@ -427,10 +427,10 @@ def test_served_runs_report_cpu_by_process_with_the_client(tmp_path):
     args.concurrency = [8]
     (result,) = run_server_mode("openai", {"openai": "http://127.0.0.1:9", "model": "llm"}, args, None)
     usage = result["cpu"]
-    assert usage["processes"]["client (child processes)"]["cpu_s"] > 0  # the stand-in client ran and exited
-    assert usage["switches_per_token"] is not None and usage["cpu_s"] >= usage["processes"]["client (child processes)"]["cpu_s"]
+    assert usage["processes"][cpu_usage.CHILD_CLIENT]["cpu_s"] > 0  # the stand-in client ran and exited
+    assert usage["switches_per_token"] is not None and usage["cpu_s"] >= usage["processes"][cpu_usage.CHILD_CLIENT]["cpu_s"]
     lines = cpu_usage.format_usage("openai c=8", usage)
-    assert lines[0].startswith("openai c=8: ") and any("client (child processes)" in line for line in lines)
+    assert lines[0].startswith("openai c=8: ") and any(cpu_usage.CHILD_CLIENT in line for line in lines)
 
 
 def test_cpu_usage_is_the_difference_per_process_and_busiest_thread():

@@ -10,6 +10,7 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
+CHILD_CLIENT = "client (child processes, start-up included)"
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 PROC = Path("/proc")
 
@@ -80,12 +81,14 @@ def snapshot() -> dict[str, ThreadSample]:
 
 def client_times() -> dict[str, tuple[float, int, int]]:
     """This process's and its finished children's CPU-s and context switches: the client of a run
-    (this bench's own, or `vllm bench serve`, which has exited by the time the run is read)."""
+    (this bench's own, or `vllm bench serve`, which has exited by the time the run is read). A child's
+    figure is its whole life, start-up included: `vllm bench serve` spends most of its CPU importing
+    vLLM before it sends a request (docs/benchmarks.md), so read it as an upper bound on the run's."""
     def figures(usage) -> tuple[float, int, int]:
         return usage.ru_utime + usage.ru_stime, usage.ru_nvcsw + usage.ru_nivcsw, usage.ru_nivcsw
 
     return {"client (this bench)": figures(resource.getrusage(resource.RUSAGE_SELF)),
-            "client (child processes)": figures(resource.getrusage(resource.RUSAGE_CHILDREN))}
+            CHILD_CLIENT: figures(resource.getrusage(resource.RUSAGE_CHILDREN))}
 
 
 def difference(before: dict[str, ThreadSample], after: dict[str, ThreadSample], output_tokens: int,
