@@ -23,10 +23,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tools.bench.report import counters_difference, fmt, run_counters
-from tools.bench.servers import stop, wait_http
+from tools.bench.report import fmt
+from tools.bench.servers import wait_http
 from tools.bench.workloads import Workload, text_tokens
-from tools.bench_router import counters, measure, per_replica_requests, row
+from tools.bench_router import routed_run, row
 from tools.triton_server import TritonServer, free_port, write_model_repository
 
 RUNS = (("least-outstanding", False), ("prefix", False), ("prefix", True))
@@ -113,21 +113,12 @@ def main(argv: list[str] | None = None) -> int:
                 seed += 1
                 label = f"{routing}{' + KV events' if events else ''}"
                 frontend, url = start_frontend(model, replicas, routing, events)
-                try:
-                    warmup = Workload("warm-up", [text_tokens(tokenizer, random.Random(-seed), 40)
-                                                  for _ in range(4)], [2] * 4)
-                    measure(url, model_name, warmup, 2, seed)  # and the event subscriptions settle
-                    before, before_split = counters(servers), per_replica_requests(servers)
-                    summary = measure(url, model_name, tenant_workload(tokenizer, args, scenario, seed),
-                                      args.concurrency, seed)
-                finally:
-                    stop(frontend)
-                after, after_split = counters(servers), per_replica_requests(servers)
-                hit_rate = counters_difference(run_counters(before), run_counters(after))["prefix_cache_hit_rate"]
-                split = [a - b for a, b in zip(after_split, before_split)]
-                summary.update(prefix_cache_hit_rate=hit_rate, requests_per_replica=split)
+                warmup = Workload("warm-up", [text_tokens(tokenizer, random.Random(-seed), 40) for _ in range(4)], [2] * 4)
+                summary = routed_run(servers, frontend, url, model_name, tenant_workload(tokenizer, args, scenario, seed),
+                                     args.concurrency, seed, warmup)  # the warm-up lets the event subscriptions settle
                 results[f"{scenario}/{label}"] = summary
-                print(row(label, summary, f"{fmt(hit_rate, 3)}  (requests per replica {split})"), flush=True)
+                print(row(label, summary, f"{fmt(summary['prefix_cache_hit_rate'], 3)}  "
+                                          f"(requests per replica {summary['requests_per_replica']})"), flush=True)
     finally:
         for server in servers:
             server.stop()

@@ -87,6 +87,23 @@ def measure(url: str, model_name: str, workload: Workload, concurrency: int, see
     return summarize(records, elapsed)
 
 
+def routed_run(replicas: list[TritonServer], frontend: subprocess.Popen, url: str, model_name: str,
+               workload: Workload, concurrency: int, seed: int, warmup: Workload | None = None) -> dict:
+    """`workload` through the frontend at `url` (after `warmup`, not counted), which is stopped after
+    it: the run's summary with the replicas' prefix-cache hit rate and the requests each took."""
+    try:
+        if warmup is not None:
+            measure(url, model_name, warmup, 2, seed)
+        before, before_split = counters(replicas), per_replica_requests(replicas)
+        summary = measure(url, model_name, workload, concurrency, seed)
+    finally:
+        stop(frontend)
+    after, after_split = counters(replicas), per_replica_requests(replicas)
+    summary.update(prefix_cache_hit_rate=counters_difference(run_counters(before), run_counters(after))["prefix_cache_hit_rate"],
+                   requests_per_replica=[a - b for a, b in zip(after_split, before_split)])
+    return summary
+
+
 def row(label: str, summary: dict, extra: str = "") -> str:
     return (f"{label:<34}{summary['output_tokens_per_s']:>10.1f}{summary['request_throughput']:>8.2f}"
             f"{summary['ttft_p50_ms']:>10.0f}{summary['ttft_p90_ms']:>10.0f}{summary['failed']:>7}  {extra}")
@@ -136,17 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             for seed, routing in enumerate(ROUTINGS, start=1):
                 workload = system_prompt_workload(tokenizer, seed, args.output_len)
                 frontend, url = start_frontend(model, replicas, routing)
-                before, before_split = counters(replicas), per_replica_requests(replicas)
-                try:
-                    summary = measure(url, model_name, workload, args.concurrency, seed)
-                finally:
-                    stop(frontend)
-                after, after_split = counters(replicas), per_replica_requests(replicas)
-                hit_rate = counters_difference(run_counters(before), run_counters(after))["prefix_cache_hit_rate"]
-                split = [a - b for a, b in zip(after_split, before_split)]
-                summary.update(prefix_cache_hit_rate=hit_rate, requests_per_replica=split)
+                summary = routed_run(replicas, frontend, url, model_name, workload, args.concurrency, seed)
                 results[f"routing={routing}"] = summary
-                print(row(routing, summary, f"{fmt(hit_rate, 3)}  (requests per replica {split})"), flush=True)
+                print(row(routing, summary, f"{fmt(summary['prefix_cache_hit_rate'], 3)}  "
+                                            f"(requests per replica {summary['requests_per_replica']})"), flush=True)
     finally:
         for replica in replicas:
             replica.stop()
