@@ -392,7 +392,11 @@ def test_moe_layer_runs_the_cpu_kernel_at_small_bfloat16_batches():
         weights, ids = layer.gate(x)
         assert layer.cpu_kernel_takes(x, ids) == (num_tokens <= largest)
         expected = per_token_experts(x, weights, ids, layer.experts)
-        torch.testing.assert_close(layer.routed_experts(x, weights, ids), expected, atol=6e-2, rtol=2e-2)
+        # Outputs reach ~40 here, where a bfloat16 ulp is 0.25: two summation orders (which differ by
+        # CPU: AMX, AVX512-BF16, AVX2) may round an output that cancels to near zero a few ulps of the
+        # terms apart, so the absolute bound follows the output's scale. A dropped expert is off by ~10.
+        atol = 4e-3 * expected.abs().max().item()
+        torch.testing.assert_close(layer.routed_experts(x, weights, ids), expected, atol=atol, rtol=2e-2)
     assert layer.experts[3].gate_up_proj.weight.data_ptr() == layer.stacked[0][3].data_ptr()
 
     biased = random_moe(MoEArgs(num_experts=4, top_k=2, intermediate_size=32, sparse_layers=(True,),

@@ -155,8 +155,8 @@ def test_chat_template_kwargs_reach_the_template(thinking, model_name, tokenizer
 
 def test_reasoning_then_a_tool_call_read_from_free_text(thinking, model_name):
     """With --enable-auto-tool-choice, tools alone mean `auto`: the calls are read from the answer's
-    text (here written by a regex as a Hermes block after a think block), whole and streamed, the
-    arguments in pieces; an assistant turn's reasoning is accepted back."""
+    text (here written by a regex as a Hermes block after a think block), whole and streamed;
+    an assistant turn's reasoning is accepted back."""
     messages = QUESTION + [{"role": "assistant", "content": "Hello!", "reasoning": "Greet."},
                            {"role": "user", "content": "What is the weather in Paris?"}]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -174,6 +174,9 @@ def test_reasoning_then_a_tool_call_read_from_free_text(thinking, model_name):
     deltas = [d for c in chunks for d in c.delta.tool_calls or []]
     assert deltas[0].id and deltas[0].function.name == "get_weather"
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
-    assert len([d for d in deltas if d.function.arguments]) > 2  # in pieces, as written
+    # The arguments stream as written, but how many pieces arrive depends on the host: a stream that
+    # falls behind the engine gets its waiting outputs merged into one response (model.py's coalesce).
+    # Feeding the parser in pieces is tested on its own (tests/serving/test_tool_calls.py, `streamed`).
+    assert [d for d in deltas if d.function.arguments]
     assert "".join(getattr(c.delta, "reasoning", None) or "" for c in chunks) == choice.message.reasoning
     assert chunks[-1].finish_reason == "tool_calls"

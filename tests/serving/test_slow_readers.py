@@ -22,24 +22,38 @@ from tests.utils.frontend import FrontendProcess, HostPauses
 from tests.utils.triton import start_triton
 from tools.triton_server import write_model_repository
 
-MAX_MODEL_LEN = 512
-ENGINE = {"dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "max_model_len": MAX_MODEL_LEN,
+MAX_MODEL_LEN = 4096
+ENGINE = {"dtype": "float32", "kv_cache_memory_bytes": 128 << 20, "max_model_len": MAX_MODEL_LEN,
           "max_num_seqs": 48}
 WRITE_TIMEOUT_S = 10.0
 SILENT_CLIENTS = TRICKLING_CLIENTS = 16  # never read; read one byte a second
 NORMAL_CLIENTS = 8
 # A slow client's answer: tokens with 20 alternatives each (about 1.5 KB an event), far more than
-# the buffers between it and the frontend hold, so that its generation is still running when the
-# write timeout cuts it.
+# the buffers between it and the frontend hold. The engine does not wait for a stream's reader
+# (Triton queues its responses), so the generation must outlast the write timeout for the cut to
+# cancel it: 32 of them at once took ~11 s for 448 tokens on a 2-core Zen 5, ~100 s for these.
 SLOW_MAX_TOKENS = MAX_MODEL_LEN - 64  # the chat template adds some 30 tokens to the prompt
 NORMAL_MAX_TOKENS = 48
 RSS_GROWTH_BOUND = 100 << 20
 
 
 @pytest.fixture(scope="module")
-def triton(tmp_path_factory, tiny_llama):
+def tiny_long_llama(tmp_path_factory, model_path) -> str:
+    """conftest's tiny Llama with room for answers that outlast the write timeout."""
+    from transformers import LlamaConfig
+
+    from tests.utils.models import copy_tokenizer, tiny_model
+    folder = tmp_path_factory.mktemp("tiny_long_llama")
+    tiny_model(folder, LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN,
+                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2))
+    return copy_tokenizer(model_path, folder)
+
+
+@pytest.fixture(scope="module")
+def triton(tmp_path_factory, tiny_long_llama):
     work = tmp_path_factory.mktemp("slow_readers")
-    write_model_repository(work / "repository", {"model": tiny_llama, **ENGINE})
+    write_model_repository(work / "repository", {"model": tiny_long_llama, **ENGINE})
     server = start_triton(work, ("llm",))
     try:
         yield server
@@ -48,9 +62,9 @@ def triton(tmp_path_factory, tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def frontend(triton, tiny_llama, tmp_path_factory):
+def frontend(triton, tiny_long_llama, tmp_path_factory):
     log = tmp_path_factory.mktemp("slow_readers_frontend") / "frontend.log"
-    with FrontendProcess([triton.grpc_url], tiny_llama, log, f"--max-model-len={MAX_MODEL_LEN}",
+    with FrontendProcess([triton.grpc_url], tiny_long_llama, log, f"--max-model-len={MAX_MODEL_LEN}",
                          f"--write-timeout={WRITE_TIMEOUT_S}") as process:
         wait_for(lambda: httpx.get(f"{process.url}/health").status_code == 200, 60, "/health to turn 200")
         yield process
@@ -119,8 +133,8 @@ def normal_clients(url: str, model: str) -> float:
     return time.monotonic() - started
 
 
-def test_clients_that_stop_reading_are_cut_and_freed(triton, frontend, tiny_llama):
-    model = Path(tiny_llama).name
+def test_clients_that_stop_reading_are_cut_and_freed(triton, frontend, tiny_long_llama):
+    model = Path(tiny_long_llama).name
     normal_clients(frontend.url, model)  # warm: the first requests pay for imports and allocations
     alone = normal_clients(frontend.url, model)
     rss_before = frontend.rss_bytes()
