@@ -444,4 +444,9 @@ def test_cpu_usage_is_the_difference_per_process_and_busiest_thread():
     assert stub["cpu_s"] == pytest.approx(39.5) and stub["switches"] == 260 and stub["involuntary"] == 45
     assert list(stub["threads"]) == ["engine 7", "omp 9"]  # the sender's 0.5 CPU-s is under 5% of the process
     assert "idle 3" not in usage["processes"]
-    assert usage["switches_per_token"] == pytest.approx(2.61)
+    assert usage["switches_per_token"] == pytest.approx(2.61) and usage["idle_s"] is None
+    with_idle = cpu_usage.difference(before, after, output_tokens=100, idle=(100.0, 103.5))
+    assert with_idle["idle_s"] == pytest.approx(3.5)
+    assert ", 3.5 CPU-s idle," in cpu_usage.format_usage("openai c=64", with_idle)[0]
+    idle_now = cpu_usage.host_idle_s()
+    assert idle_now is None or idle_now > 0

@@ -79,6 +79,16 @@ def snapshot() -> dict[str, ThreadSample]:
     return samples
 
 
+def host_idle_s() -> float | None:
+    """The seconds the host's CPUs have spent idle (or waiting on I/O) since boot, summed over CPUs:
+    a run's difference is CPU time no process took (none where /proc/stat is absent)."""
+    try:
+        fields = (PROC / "stat").read_text(encoding="utf-8").split("\n", 1)[0].split()
+    except OSError:
+        return None
+    return (int(fields[4]) + int(fields[5])) / TICKS if fields[0] == "cpu" and len(fields) > 5 else None
+
+
 def client_times() -> dict[str, tuple[float, int, int]]:
     """This process's and its finished children's CPU-s and context switches: the client of a run
     (this bench's own, or `vllm bench serve`, which has exited by the time the run is read). A child's
@@ -92,10 +102,12 @@ def client_times() -> dict[str, tuple[float, int, int]]:
 
 
 def difference(before: dict[str, ThreadSample], after: dict[str, ThreadSample], output_tokens: int,
-               min_cpu_s: float = 0.05, clients: tuple[dict, dict] | None = None) -> dict:
+               min_cpu_s: float = 0.05, clients: tuple[dict, dict] | None = None,
+               idle: tuple[float | None, float | None] = (None, None)) -> dict:
     """The run's CPU by process, busiest first, each with its threads over 5% of it (`clients`:
-    `client_times()` before and after, always shown). Threads born during the run count from zero; a
-    thread that ended during the run is not seen (/proc/<pid>/task no longer lists it)."""
+    `client_times()` before and after, always shown; `idle`: `host_idle_s()` before and after, the
+    CPU time nobody used). Threads born during the run count from zero; a thread that ended during
+    the run is not seen (/proc/<pid>/task no longer lists it)."""
     processes: dict[str, dict] = {}
     for key, end in after.items():
         start = before.get(key)
@@ -123,14 +135,17 @@ def difference(before: dict[str, ThreadSample], after: dict[str, ThreadSample], 
     ordered = dict(sorted(busy.items(), key=lambda item: -item[1]["cpu_s"]))
     switches = sum(entry["switches"] for entry in processes.values())
     return {"processes": ordered, "cpu_s": sum(entry["cpu_s"] for entry in processes.values()),
-            "switches_per_token": switches / output_tokens if output_tokens else None}
+            "switches_per_token": switches / output_tokens if output_tokens else None,
+            "idle_s": idle[1] - idle[0] if idle[0] is not None and idle[1] is not None else None}
 
 
 def format_usage(label: str, usage: dict, max_processes: int = 8) -> list[str]:
     """The report's lines for one run: a line per busy process (the busiest few; every one is in
     `--json`), its busiest threads indented."""
     per_token = usage.get("switches_per_token")
+    idle = usage.get("idle_s")
     lines = [f"{label}: {usage['cpu_s']:.1f} CPU-s on the host"
+             + (f", {idle:.1f} CPU-s idle" if idle is not None else "")
              + (f", {per_token:.1f} context switches per output token" if per_token is not None else "")]
     for name, entry in list(usage["processes"].items())[:max_processes]:
         lines.append(f"    {name:<34}{entry['cpu_s']:>8.2f} CPU-s {entry['switches']:>9} switches "

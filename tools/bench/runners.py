@@ -159,17 +159,19 @@ def run_server_mode(mode: str, urls: dict, args, workload: Workload, salted: boo
         cache_salt = f"tritonllm-bench-{uuid.uuid4().hex}" if salted else None
         watcher = MetricsWatcher(urls.get("metrics"))
         before, cpu_before, clients_before = watcher.counters(), cpu_usage.snapshot(), cpu_usage.client_times()
+        idle_before = cpu_usage.host_idle_s()
         if args.client == "vllm-bench" and mode == "openai":
             summary = run_vllm_bench_client(urls, args, concurrency, resolved_model(args), cache_salt)
         elif args.client == "aiperf" and mode == "openai":
             summary = run_aiperf_client(urls, args, concurrency, resolved_model(args), cache_salt)
         else:
             summary = asyncio.run(run_builtin_client(mode, urls, args, workload, concurrency, cache_salt, watcher))
-        cpu_after = cpu_usage.snapshot()
+        cpu_after, idle_after = cpu_usage.snapshot(), cpu_usage.host_idle_s()
         output_tokens = round(summary["output_tokens_per_s"] * summary["seconds"]) if summary.get("seconds") else 0
         summary.update(concurrency=concurrency, request_rate=args.request_rate,
                        cpu=cpu_usage.difference(cpu_before, cpu_after, output_tokens,
-                                                   clients=(clients_before, cpu_usage.client_times())),
+                                                   clients=(clients_before, cpu_usage.client_times()),
+                                                   idle=(idle_before, idle_after)),
                        **counters_difference(before, watcher.counters()))
         results.append(summary)
     return results
