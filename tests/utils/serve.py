@@ -4,6 +4,7 @@ alone in this process, on uvicorn as `python -m openai_frontend` runs it; and th
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -81,16 +82,24 @@ class Serve:
         return (self.work / ADMIN_KEY_FILE).read_text().strip()
 
     def triton(self, path: str, body: dict | None = None, admin: bool = False) -> tuple[int, str]:
-        """A request to Triton's HTTP port: (status, body)."""
+        """A request to Triton's HTTP port: (status, body). A connection reset before any answer is
+        tried again, twice: CI saw one once on a loaded host (2,000 requests here never did), and a
+        server that is down fails all three."""
         headers = {ADMIN_KEY_HEADER: self.admin_key} if admin else {}
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{self.ports['http-port']}{path}", data, headers,
                                          method="POST" if data is not None or "repository" in path else "GET")
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return response.status, response.read().decode()
-        except urllib.error.HTTPError as error:
-            return error.code, error.read().decode()
+        for attempt in range(3):
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    return response.status, response.read().decode()
+            except urllib.error.HTTPError as error:
+                return error.code, error.read().decode()
+            except (ConnectionResetError, http.client.RemoteDisconnected):
+                if attempt == 2:
+                    raise
+                time.sleep(0.5)
+        raise AssertionError("unreachable")
 
     def descendants(self) -> list[psutil.Process]:
         return psutil.Process(self.process.pid).children(recursive=True)
