@@ -394,14 +394,57 @@ void attend_one_narrow(T* out, const T* query, const Item<C>& item, const Item<C
 // 64 decodes of 192 positions, 9 heads over 3 KV heads of 64, ms a layer: keys in cache (the work
 // alone) 0.37-0.38 -> 0.24-0.28; from memory, random blocks 1.00-1.08 -> 0.83-0.87; the whole offline
 // bench run 464-476 -> 541-555 out tok/s.
+// An 8-bit cache takes the same kernel: its codes are widened to bfloat16 (exactly: 3 or 2 mantissa
+// bits) by a table lookup, 32 at a time, instead of to float32 through float16 for float32 FMAs.
+// One layer, 4 decodes at 8,192 positions (tools/bench_kv_cache.py kernel), docs/benchmarks.md.
 static_assert(kLanes == 16, "AVX512-BF16 implies AVX-512's 16 float lanes");
 
-template <int G, int W>
+// The bfloat16 bits of each code's magnitude (its low 7 bits) as load(const C*) reads it (the
+// value / kUnit), in four vpermi2w tables of 32 entries. Subnormal codes become normal bfloat16s.
+template <typename C> struct Bf16Table {
+  alignas(64) uint16_t bits[128] = {};
+  constexpr Bf16Table() {
+    using F = Fp8Format<C>;
+    const int unit_shift = F::kUnit == 256.f ? 8 : 0;
+    for (int code = 1; code < 128; ++code) {
+      const int exponent = code >> F::kMantissa, mantissa = code & ((1 << F::kMantissa) - 1);
+      int power = 0, fraction = 0;  // value = (1 + fraction / 128) * 2^power
+      if (exponent > 0) {
+        power = exponent - F::kBias - unit_shift;
+        fraction = mantissa << (7 - F::kMantissa);
+      } else {  // mantissa * 2^(1 - bias - mantissa bits): normalised at its highest bit
+        int high = 0;
+        while (mantissa >> (high + 1)) ++high;
+        power = high + 1 - F::kBias - F::kMantissa - unit_shift;
+        fraction = (mantissa - (1 << high)) << (7 - high);
+      }
+      bits[code] = uint16_t(((power + 127) << 7) | fraction);
+    }
+  }
+};
+template <typename C> constexpr Bf16Table<C> kBf16Table{};
+
+// 32 cache elements as 32 bfloat16 in order: a load for a bfloat16 cache, for an 8-bit one the
+// codes' magnitudes looked up (two vpermi2w of 64 entries each, picked by bit 6) and the sign put back.
+template <typename C> __attribute__((always_inline)) inline __m512i load_bf16x32(const C* p) {
+  if constexpr (std::is_same_v<C, bf16>) {
+    return _mm512_loadu_si512(p);
+  } else {
+    const uint16_t* table = kBf16Table<C>.bits;
+    const __m512i code = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i low = _mm512_permutex2var_epi16(_mm512_load_si512(table), code, _mm512_load_si512(table + 32));
+    const __m512i high = _mm512_permutex2var_epi16(_mm512_load_si512(table + 64), code, _mm512_load_si512(table + 96));
+    const __m512i magnitude = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(code, _mm512_set1_epi16(0x40)), low, high);
+    return _mm512_or_si512(magnitude, _mm512_and_si512(_mm512_slli_epi16(code, 8), _mm512_set1_epi16(-0x8000)));
+  }
+}
+
+template <typename C, int G, int W>
 __attribute__((optimize("fp-contract=fast")))
-void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, const Item<bf16>& next,
+void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, const Item<C>& next,
                          int64_t block_size, float scale, float cap) {
   constexpr int64_t dim = 32 * W;
-  const bf16 *key_cache = item.keys, *value_cache = item.values;
+  const C *key_cache = item.keys, *value_cache = item.values;
   const int64_t len = item.len;
   __m512bh q[G][W];
   __m512 low[G][W], high[G][W];  // 16 dims each per 32: per 128-bit lane, dims 0-3 and 4-7 of its 8
@@ -415,7 +458,7 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, c
     }
     max[g] = -INFINITY;
   }
-  const bf16* keys[kLanes];
+  const C* keys[kLanes];
   // The next item's positions run `shift` behind (or ahead of) this one's, chunk by chunk.
   const int64_t shift = next.begin - item.begin;
   for (int64_t start = item.begin; start < len; start += kLanes) {
@@ -428,7 +471,7 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, c
       for (int g = 0; g < G; ++g) partial[g] = _mm512_setzero_ps();
       if (p < count)
         for (int w = 0; w < W; ++w) {
-          const __m512bh key = (__m512bh)_mm512_loadu_si512(keys[p] + w * 32);
+          const __m512bh key = (__m512bh)load_bf16x32(keys[p] + w * 32);
           for (int g = 0; g < G; ++g) partial[g] = _mm512_dpbf16_ps(partial[g], q[g][w], key);
         }
       for (int g = 0; g < G; ++g) dots[g][reversed(p)] = (vfloat)partial[g];
@@ -453,11 +496,11 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, c
       _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[g]), (__m256i)_mm512_cvtneps_pbh((__m512)probs));
     }
     for (int64_t p = 0; p < count; p += 2) {
-      const bf16* first = value_cache + (keys[p] - key_cache);
-      const bf16* second = p + 1 < count ? value_cache + (keys[p + 1] - key_cache) : nullptr;
+      const C* first = value_cache + (keys[p] - key_cache);
+      const C* second = p + 1 < count ? value_cache + (keys[p + 1] - key_cache) : nullptr;
       for (int w = 0; w < W; ++w) {
-        const __m512i a = _mm512_loadu_si512(first + w * 32);
-        const __m512i b = second != nullptr ? _mm512_loadu_si512(second + w * 32) : _mm512_setzero_si512();
+        const __m512i a = load_bf16x32(first + w * 32);
+        const __m512i b = second != nullptr ? load_bf16x32(second + w * 32) : _mm512_setzero_si512();
         const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
         for (int g = 0; g < G; ++g) {
           const __m512bh weights = (__m512bh)_mm512_set1_epi32(int(pairs[g][p / 2]));
@@ -471,7 +514,7 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<bf16>& item, c
   const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int g = 0; g < G; ++g) {
-    const vfloat inverse = splat(1.f / sum[g]);
+    const vfloat inverse = splat(std::is_same_v<C, bf16> ? 1.f / sum[g] : item.value_scale / sum[g]);
     for (int w = 0; w < W; ++w) {
       store(out + g * dim + w * 32, (vfloat)_mm512_permutex2var_ps(low[g][w], first_half, high[g][w]) * inverse);
       store(out + g * dim + w * 32 + 16, (vfloat)_mm512_permutex2var_ps(low[g][w], second_half, high[g][w]) * inverse);
@@ -507,17 +550,17 @@ AttendOne<T, C> pick_group(int64_t group) {
 }
 
 #if defined(__AVX512BF16__)
-template <int W>
-AttendOne<bf16> pick_group_bf16_dot(int64_t group) {
+template <typename C, int W>
+AttendOne<bf16, C> pick_group_bf16_dot(int64_t group) {
   switch (group) {
-    case 1: return attend_one_bf16_dot<1, W>;
-    case 2: return attend_one_bf16_dot<2, W>;
-    case 3: return attend_one_bf16_dot<3, W>;
-    case 4: return attend_one_bf16_dot<4, W>;
-    case 5: return attend_one_bf16_dot<5, W>;
-    case 6: return attend_one_bf16_dot<6, W>;
-    case 7: return attend_one_bf16_dot<7, W>;
-    case 8: return attend_one_bf16_dot<8, W>;
+    case 1: return attend_one_bf16_dot<C, 1, W>;
+    case 2: return attend_one_bf16_dot<C, 2, W>;
+    case 3: return attend_one_bf16_dot<C, 3, W>;
+    case 4: return attend_one_bf16_dot<C, 4, W>;
+    case 5: return attend_one_bf16_dot<C, 5, W>;
+    case 6: return attend_one_bf16_dot<C, 6, W>;
+    case 7: return attend_one_bf16_dot<C, 7, W>;
+    case 8: return attend_one_bf16_dot<C, 8, W>;
     default: return nullptr;
   }
 }
@@ -541,8 +584,8 @@ void paged_attention(T* out, const T* query, const C* cache, const int32_t* bloc
   const int64_t group = heads / kv_heads, head_cache = num_blocks * block_size * dim;
   AttendOne<T, C> one = dim == 64 ? pick_group<T, C, 64 / kLanes>(group) : pick_group<T, C, 128 / kLanes>(group);
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
-    one = dim == 64 ? pick_group_bf16_dot<2>(group) : pick_group_bf16_dot<4>(group);
+  if constexpr (std::is_same_v<T, bf16>)
+    one = dim == 64 ? pick_group_bf16_dot<C, 2>(group) : pick_group_bf16_dot<C, 4>(group);
 #endif
   const int64_t items = tokens * kv_heads;  // item i: token i / kv_heads, KV head i % kv_heads
   auto item_at = [&](int64_t item) {

@@ -99,6 +99,28 @@ def test_cpu_attention_over_fp8_cache_matches_reference(dtype, cache_dtype, head
 
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_attention_reads_every_code_exactly(dtype, cache_dtype, head_dim):
+    """Each decode attends to one position, so its output is that position's value row times v_scale
+    (one rounding to the output type): every finite code, subnormals and signs included, as torch
+    reads it. The bfloat16 kernel widens codes by table lookup, float32 by conversion."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[~codes.view(cache_dtype).float().isfinite()] = 0
+    rows = codes.view(-1, head_dim)  # 4 or 2 sequences of one position, one value row each
+    cache = torch.zeros(2, 1, len(rows), 16, head_dim, dtype=torch.uint8)
+    cache[1, 0, :, 0] = rows
+    cache = cache.view(cache_dtype)
+    tables = torch.arange(len(rows), dtype=torch.int32).view(-1, 1)
+    query = torch.randn(len(rows), 1, head_dim, dtype=dtype)
+    actual = cpu_ops.paged_attention(query, cache, tables, torch.arange(len(rows), dtype=torch.int32),
+                                     torch.ones(len(rows), dtype=torch.int32), 0.125, k_scale=SCALES[0],
+                                     v_scale=SCALES[1])
+    expected = (rows.view(cache_dtype).float() * SCALES[1]).to(dtype)
+    assert torch.equal(actual[:, 0], expected)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_attention_over_fp8_cache_matches_reference(dtype, cache_dtype):
     """The decode and prefill kernels (through the interpreter) read an 8-bit cache with its scales."""
     torch.manual_seed(0)
