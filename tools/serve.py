@@ -27,7 +27,7 @@ from pathlib import Path
 
 from backend.config import EngineConfig
 from backend.worker.cpu_policy import yield_to_compute
-from tools.triton_server import MODEL_NAME, TritonServer, die_with_parent, write_model_repository
+from tools.triton_server import MODEL_NAME, TritonServer, popen_with_parent, write_model_repository
 
 FRONTEND_MODULE = "openai_frontend.main"
 API_KEY_ENV = "TRITONLLM_API_KEY"
@@ -209,7 +209,7 @@ def start_frontend(args: argparse.Namespace, server: TritonServer, engine_args: 
     env.pop(API_KEY_ENV, None)
     if key is not None:
         env[API_KEY_ENV] = key  # not on the command line, where `ps` shows it to everyone
-    return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=die_with_parent)
+    return popen_with_parent(command, env=env, start_new_session=True)
 
 
 def wait_http(url: str, process: subprocess.Popen, timeout: float) -> None:

@@ -14,15 +14,18 @@ import ctypes
 import importlib.util
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,14 +114,47 @@ def write_model_repository(target: Path, engine_args: dict, source: Path = SOURC
 
 
 def die_with_parent() -> None:
-    """A preexec_fn: the child gets SIGKILL when the process that started it dies, even by
-    `kill -9` (Linux's parent-death signal; children in sessions of their own outlive their
-    parent otherwise). Triton's Python stubs follow a dead tritonserver by themselves."""
+    """A preexec_fn: the child gets SIGKILL when the thread that started it ends, even by `kill -9`
+    of its process (Linux's parent-death signal; children in sessions of their own outlive their
+    parent otherwise). Linux counts the *thread* that forked as the parent: start such children with
+    `popen_with_parent`, which forks from a thread that lasts as long as the process. Triton's Python
+    stubs follow a dead tritonserver by themselves."""
     parent = os.getppid()
     if LIBC is None or LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         return  # not Linux: the child may outlive us, as before
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+
+
+_launches: queue.Queue = queue.Queue()
+_launcher_lock = threading.Lock()
+_launcher: threading.Thread | None = None
+
+
+def _launch_forever() -> None:
+    while True:
+        args, kwargs, done = _launches.get()
+        try:
+            done.set_result(subprocess.Popen(*args, **kwargs, preexec_fn=die_with_parent))
+        except BaseException as error:  # handed to the caller
+            done.set_exception(error)
+
+
+def popen_with_parent(*args, **kwargs) -> subprocess.Popen:
+    """`subprocess.Popen` whose child dies with this process (`die_with_parent`). From a thread
+    other than the main one, the fork happens on a daemon thread that never ends: a child started
+    from a worker thread (`asyncio.to_thread`, a thread pool) would otherwise be killed as soon as
+    that thread exits, which the soak test met as replicas dying after a restart."""
+    global _launcher
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(*args, **kwargs, preexec_fn=die_with_parent)
+    with _launcher_lock:
+        if _launcher is None:
+            _launcher = threading.Thread(target=_launch_forever, name="tritonllm-launcher", daemon=True)
+            _launcher.start()
+    done: futures.Future = futures.Future()
+    _launches.put((args, kwargs, done))
+    return done.result()
 
 
 def remove_stale_shm_regions(shm: Path = Path("/dev/shm")) -> list[Path]:
@@ -220,9 +256,9 @@ class TritonServer:
             print(f"removed {region}, left by a tritonserver that was killed", file=sys.stderr)
         # A session of its own, so a Ctrl-C in the terminal reaches us, and we decide how Triton
         # stops (SIGINT: finish in-flight requests, unload models, exit); killed if we die.
-        self.process = subprocess.Popen(self.command(install), env=server_environment(install),
-                                        stdout=output, stderr=subprocess.STDOUT if output else None,
-                                        start_new_session=True, preexec_fn=die_with_parent)
+        self.process = popen_with_parent(self.command(install), env=server_environment(install),
+                                         stdout=output, stderr=subprocess.STDOUT if output else None,
+                                         start_new_session=True)
         if output:
             output.close()
         return self
