@@ -17,7 +17,6 @@ import os
 import random
 import signal
 import time
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ import pytest
 
 from tests.utils import wait_for
 from tests.utils.frontend import FrontendProcess, HostPauses
-from tests.utils.triton import shm_regions, start_triton
+from tests.utils.triton import metrics, shm_regions, start_triton
 from tools.triton_server import TritonServer, write_model_repository
 
 SOAK_SECONDS = float(os.environ.get("TRITONLLM_SOAK_SECONDS", 150))
@@ -236,12 +235,9 @@ def engine_idle(server: TritonServer) -> tuple[float, float, float] | None:
     not answer (a replica restarted from a worker thread used to die when the thread ended:
     tools.triton_server.popen_with_parent)."""
     try:
-        text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+        values = metrics(server)
     except OSError:
         return None
-    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{",
-                                  "vllm:kv_cache_usage_perc{"))}
     return (values["vllm:num_requests_running"], values["vllm:num_requests_waiting"],
             values["vllm:kv_cache_usage_perc"])
 
