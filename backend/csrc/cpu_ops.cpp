@@ -395,8 +395,17 @@ void attend_one_narrow(T* out, const T* query, const Item<C>& item, const Item<C
 // alone) 0.37-0.38 -> 0.24-0.28; from memory, random blocks 1.00-1.08 -> 0.83-0.87; the whole offline
 // bench run 464-476 -> 541-555 out tok/s.
 // An 8-bit cache takes the same kernel: its codes are widened to bfloat16 (exactly: 3 or 2 mantissa
-// bits) by a table lookup, 32 at a time, instead of to float32 through float16 for float32 FMAs.
-// One layer, 4 decodes at 8,192 positions (tools/bench_kv_cache.py kernel), docs/benchmarks.md.
+// bits) by table lookups instead of to float32 through float16 for float32 FMAs; the widening,
+// not memory, bounds the kernel. With AVX512-VBMI, 64 codes at a time (ByteWidener: a
+// vpermi2b into each of two byte tables, the sign ORed in, two unpacks; ~6 instructions where the
+// word tables below take ~16); the unpacks leave the dims in an order within 128-bit lanes, so
+// the query is permuted alike once a call and the output put back at the end, and the keys' loop
+// over a chunk's positions is unrolled (each one's dots then go to a constant place: half the
+// gain). Without VBMI (Cooper Lake), 32 at a time from word tables (load_bf16x32). One layer, 4
+// decodes at 8,192 positions, 9 heads over 3 KV heads of 64 (tools/bench_kv_cache.py kernel), ms,
+// on AMD Zen 5 (2 cores): bfloat16 cache 0.68-0.74; E4M3 0.55 (word tables) -> 0.46-0.47 (bytes).
+// The engine's own calls (4 x 8,000 positions) replayed: 0.59 vs E4M3 0.51 -> 0.42. head_dim 128
+// with 8 heads a KV head gains nothing (1.18 either way: bound by its 8 x 4 dot products).
 static_assert(kLanes == 16, "AVX512-BF16 implies AVX-512's 16 float lanes");
 
 // The bfloat16 bits of each code's magnitude (its low 7 bits) as load(const C*) reads it (the
@@ -439,6 +448,57 @@ template <typename C> __attribute__((always_inline)) inline __m512i load_bf16x32
   }
 }
 
+#if defined(__AVX512VBMI__)
+// The same bits as two tables of 128 bytes, each in two registers: a code's bfloat16 low byte and
+// high byte, for vpermi2b (which reads an index byte's low 7 bits: the code's magnitude).
+template <typename C> struct Bf16ByteTables {
+  alignas(64) uint8_t low[128] = {}, high[128] = {};
+  constexpr Bf16ByteTables() {
+    for (int code = 0; code < 128; ++code) {
+      low[code] = uint8_t(kBf16Table<C>.bits[code] & 0xff);
+      high[code] = uint8_t(kBf16Table<C>.bits[code] >> 8);
+    }
+  }
+};
+template <typename C> constexpr Bf16ByteTables<C> kBf16ByteTables{};
+
+// 64 codes at a time: both bytes of each code's bfloat16 looked up, its sign ORed into the high
+// byte, the bytes interleaved into words. The unpacks work within 128-bit lanes, so `front` gets
+// codes 0-7 of each 16 (dims 16l + 0..7 in its lane l) and `back` codes 8-15 (16l + 8..15): the
+// query is put in that order once (permute_query) and the output put back at the end.
+template <typename C> struct ByteWidener {
+  __m512i low0, low1, high0, high1;
+  __attribute__((always_inline)) ByteWidener()
+      : low0(_mm512_load_si512(kBf16ByteTables<C>.low)), low1(_mm512_load_si512(kBf16ByteTables<C>.low + 64)),
+        high0(_mm512_load_si512(kBf16ByteTables<C>.high)), high1(_mm512_load_si512(kBf16ByteTables<C>.high + 64)) {}
+  struct Words {
+    __m512i front, back;
+  };
+  __attribute__((always_inline)) Words load(const C* p) const {
+    const __m512i code = _mm512_loadu_si512(p);
+    const __m512i low = _mm512_permutex2var_epi8(low0, code, low1);
+    const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(high0, code, high1), code,
+                                                   _mm512_set1_epi8(char(0x80)), 0xF8);  // high | (code & 0x80)
+    return {_mm512_unpacklo_epi8(low, high), _mm512_unpackhi_epi8(low, high)};
+  }
+};
+
+// 64 bfloat16 query elements in ByteWidener's order: `front` dims 16l + 0..7, `back` 16l + 8..15.
+__attribute__((always_inline)) inline void permute_query(const bf16* q, __m512bh& front, __m512bh& back) {
+  alignas(64) int16_t front_index[32], back_index[32];
+  for (int m = 0; m < 32; ++m) {
+    front_index[m] = int16_t(m / 8 * 16 + m % 8);
+    back_index[m] = int16_t(m / 8 * 16 + 8 + m % 8);
+  }
+  const __m512i first = _mm512_loadu_si512(q), second = _mm512_loadu_si512(q + 32);
+  front = (__m512bh)_mm512_permutex2var_epi16(first, _mm512_load_si512(front_index), second);
+  back = (__m512bh)_mm512_permutex2var_epi16(first, _mm512_load_si512(back_index), second);
+}
+
+struct NoWidener {};
+template <typename C> constexpr bool kByteTables = !std::is_same_v<C, bf16>;  // an 8-bit cache
+#endif
+
 template <typename C, int G, int W>
 __attribute__((optimize("fp-contract=fast")))
 void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, const Item<C>& next,
@@ -451,11 +511,18 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
   vfloat dots[G][kLanes];
   float max[G], sum[G] = {};
   alignas(64) uint32_t pairs[G][kLanes / 2];  // the chunk's probabilities, two bf16 per position pair
+#if defined(__AVX512VBMI__)
+  [[maybe_unused]] const std::conditional_t<kByteTables<C>, ByteWidener<C>, NoWidener> widen{};
+#endif
   for (int g = 0; g < G; ++g) {
     for (int w = 0; w < W; ++w) {
       q[g][w] = (__m512bh)_mm512_loadu_si512(query + g * dim + w * 32);
       low[g][w] = high[g][w] = _mm512_setzero_ps();
     }
+#if defined(__AVX512VBMI__)
+    if constexpr (kByteTables<C>)
+      for (int w = 0; w < W; w += 2) permute_query(query + g * dim + w * 32, q[g][w], q[g][w + 1]);
+#endif
     max[g] = -INFINITY;
   }
   const C* keys[kLanes];
@@ -466,6 +533,24 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
     for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(item.table, start + p, block_size) * dim;
     prefetch_after_jump(item, start + kLanes, block_size, dim);
     prefetch_rows<2>(next, start + shift, block_size, dim);
+#if defined(__AVX512VBMI__)
+    if constexpr (kByteTables<C>) {
+#pragma GCC unroll 16
+      for (int p = 0; p < kLanes; ++p) {  // unrolled: dots' places are constants
+        __m512 partial[G];
+        for (int g = 0; g < G; ++g) partial[g] = _mm512_setzero_ps();
+        if (p < count)
+          for (int w = 0; w < W; w += 2) {
+            const auto key = widen.load(keys[p] + w * 32);
+            for (int g = 0; g < G; ++g) {
+              partial[g] = _mm512_dpbf16_ps(partial[g], q[g][w], (__m512bh)key.front);
+              partial[g] = _mm512_dpbf16_ps(partial[g], q[g][w + 1], (__m512bh)key.back);
+            }
+          }
+        for (int g = 0; g < G; ++g) dots[g][reversed(p)] = (vfloat)partial[g];
+      }
+    } else
+#endif
     for (int64_t p = 0; p < kLanes; ++p) {
       __m512 partial[G];
       for (int g = 0; g < G; ++g) partial[g] = _mm512_setzero_ps();
@@ -498,6 +583,27 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
     for (int64_t p = 0; p < count; p += 2) {
       const C* first = value_cache + (keys[p] - key_cache);
       const C* second = p + 1 < count ? value_cache + (keys[p + 1] - key_cache) : nullptr;
+#if defined(__AVX512VBMI__)
+      if constexpr (kByteTables<C>) {
+        for (int w = 0; w < W; w += 2) {
+          using Words = typename decltype(widen)::Words;
+          const Words a = widen.load(first + w * 32);
+          const Words b = second != nullptr ? widen.load(second + w * 32)
+                                            : Words{_mm512_setzero_si512(), _mm512_setzero_si512()};
+          const __m512bh lo[2] = {(__m512bh)_mm512_unpacklo_epi16(a.front, b.front),
+                                  (__m512bh)_mm512_unpacklo_epi16(a.back, b.back)};
+          const __m512bh hi[2] = {(__m512bh)_mm512_unpackhi_epi16(a.front, b.front),
+                                  (__m512bh)_mm512_unpackhi_epi16(a.back, b.back)};
+          for (int g = 0; g < G; ++g) {
+            const __m512bh weights = (__m512bh)_mm512_set1_epi32(int(pairs[g][p / 2]));
+            for (int h = 0; h < 2; ++h) {
+              low[g][w + h] = _mm512_dpbf16_ps(low[g][w + h], lo[h], weights);
+              high[g][w + h] = _mm512_dpbf16_ps(high[g][w + h], hi[h], weights);
+            }
+          }
+        }
+      } else
+#endif
       for (int w = 0; w < W; ++w) {
         const __m512i a = load_bf16x32(first + w * 32);
         const __m512i b = second != nullptr ? load_bf16x32(second + w * 32) : _mm512_setzero_si512();
@@ -511,6 +617,30 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
     }
   }
   for (int64_t start = len + shift; start < next.len; start += kLanes) prefetch_rows<2>(next, start, block_size, dim);
+#if defined(__AVX512VBMI__)
+  if constexpr (kByteTables<C>) {
+    // Dims 16l..16l + 15 are lane l of low and high of the front words (16l + 0..3, 4..7) and of
+    // the back ones (8..11, 12..15): a 4 x 4 transpose of 128-bit lanes per 64 dims.
+    const __m512i lanes_01 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i lanes_23 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512i halves_0 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i halves_1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int g = 0; g < G; ++g) {
+      const vfloat inverse = splat(item.value_scale / sum[g]);
+      for (int w = 0; w < W; w += 2) {
+        bf16* dims = out + g * dim + w * 32;
+        for (int half = 0; half < 2; ++half) {  // dims 0-31, then 32-63
+          const __m512i lanes = half == 0 ? lanes_01 : lanes_23;
+          const __m512 front = _mm512_permutex2var_ps(low[g][w], lanes, high[g][w]);
+          const __m512 back = _mm512_permutex2var_ps(low[g][w + 1], lanes, high[g][w + 1]);
+          store(dims + half * 32, (vfloat)_mm512_permutex2var_ps(front, halves_0, back) * inverse);
+          store(dims + half * 32 + 16, (vfloat)_mm512_permutex2var_ps(front, halves_1, back) * inverse);
+        }
+      }
+    }
+    return;
+  }
+#endif
   const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int g = 0; g < G; ++g) {

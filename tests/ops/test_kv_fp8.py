@@ -5,6 +5,11 @@ code * scale."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -117,6 +122,25 @@ def test_cpu_attention_reads_every_code_exactly(dtype, cache_dtype, head_dim):
                                      v_scale=SCALES[1])
     expected = (rows.view(cache_dtype).float() * SCALES[1]).to(dtype)
     assert torch.equal(actual[:, 0], expected)
+
+
+@pytest.mark.slow
+def test_the_build_without_vbmi_reads_an_fp8_cache_alike():
+    """The bfloat16 kernel widens codes 64 at a time by byte tables where the library is built for
+    AVX512-VBMI, 32 at a time by word tables where only AVX512-BF16 is there (Cooper Lake): on a CPU
+    with both, the CPU attention tests above again on the library built for Cooper Lake (~40 s)."""
+    if os.environ.get("TRITONLLM_CPU_ARCH"):
+        pytest.skip("the library is already built for TRITONLLM_CPU_ARCH")
+    if not {"avx512_bf16", "avx512vbmi"} <= set(cpu_ops.cpu_flags().split()):
+        pytest.skip("this CPU lacks AVX512-VBMI or AVX512-BF16: the suite's own build has no byte tables")
+    if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler: the torch references run instead")
+    env = {**os.environ, "TRITONLLM_CPU_ARCH": "cooperlake"}
+    env.pop("TRITONLLM_CPU_KERNELS", None)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                             "-k", "test_cpu_attention"], env=env, capture_output=True, text=True,
+                            encoding="utf-8", errors="replace", cwd=str(cpu_ops.SOURCES[0].parents[2]))
+    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
 
 
 @pytest.mark.parametrize("cache_dtype", FP8)
