@@ -19,7 +19,7 @@ from backend.config import EngineConfig
 def run_worker(config: EngineConfig) -> int:
     from backend.worker import distributed
     from backend.config import resolve_limits
-    from backend.worker.model_loader import load_hf_config
+    from backend.worker.model_loader import load_hf_config, resolve_device
     from backend.model_paths import resolve_model_path
 
     if config.node_rank == 0:
@@ -28,7 +28,7 @@ def run_worker(config: EngineConfig) -> int:
     address, port = distributed.rendezvous(config)
     config = EngineConfig.from_dict({**config.to_dict(), "master_addr": address, "master_port": port})
     model_path = str(Path(resolve_model_path(config.model, config.revision)).resolve())
-    max_model_len = resolve_limits(config, load_hf_config(model_path)).max_model_len
+    max_model_len = resolve_limits(config, load_hf_config(model_path), resolve_device(config).type).max_model_len
     workers = distributed.WorkerProcesses(config, distributed.local_ranks(config), model_path, max_model_len)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"tritonllm worker: ranks {distributed.local_ranks(config)} of "

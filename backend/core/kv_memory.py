@@ -87,7 +87,7 @@ def kv_cache_budget(config: EngineConfig, layout: KVCacheLayout, model, args, dt
         return config.kv_cache_memory_bytes
     if device.type == "cpu":
         return cpu_kv_cache_budget(layout, config.max_num_seqs, max_model_len, available_memory_bytes())
-    step_tokens = max_step_tokens(config, max_model_len)
+    step_tokens = max_step_tokens(config, max_model_len, device.type)
     if world_size > 1:
         # No profiling pass across ranks: hold back a generous share for the activations.
         peak = 64 * step_tokens * args.hidden_size * 4

@@ -20,7 +20,7 @@ from backend.config import EngineConfig, generation_defaults, resolve_limits
 from backend.core.kv_cache import KVCacheManager
 from backend.lora import LoRARequest
 from backend.engine.metrics import EngineMetrics
-from backend.worker.model_loader import load_hf_config
+from backend.worker.model_loader import load_hf_config, resolve_device
 from backend.model_paths import resolve_model_path
 from backend.worker.model_runner import ModelRunner
 from backend.engine.output_processor import ChildState, OutputProcessor, ParentRequest, make_output
@@ -73,7 +73,7 @@ class LLMEngine:
         hf_config = load_hf_config(self.model_path)
         self.model_name = config.served_model_name or Path(self.model_path).name
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or self.model_path)
-        self.limits = resolve_limits(config, hf_config)
+        self.limits = resolve_limits(config, hf_config, resolve_device(config).type)
         self.max_model_len = self.limits.max_model_len
         max_batched = self.limits.max_num_batched_tokens
         self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len)

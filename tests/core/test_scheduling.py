@@ -122,6 +122,27 @@ def test_long_prompt_delays_decodes_by_at_most_one_chunk(model_path):
     assert_all_free(llm)
 
 
+def test_prompts_arriving_together_on_a_cpu_get_first_tokens_step_by_step(model_path):
+    """The CPU default step budget (512 tokens): eight ~180-token prompts added at once (1,400 tokens
+    of prefill) take more than one step, so the first ones stream their first token while the rest
+    are computed, instead of all eight waiting for one step; the tokens are the same as in one step."""
+    llm = make(model_path)
+    engine = llm.llm_engine
+    assert engine.limits.max_num_batched_tokens == 512
+    for i, prompt in enumerate(workload()):
+        engine.add_request(str(i), prompt, GREEDY)
+    first_token_step, step = {}, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for output in engine.step():
+            if output.outputs[0].token_ids:
+                first_token_step.setdefault(output.request_id, step)
+    assert first_token_step["0"] == 1 and first_token_step[str(len(QUESTIONS) - 1)] > 1
+    assert_all_free(llm)
+    whole = make(model_path, max_num_batched_tokens=2048).generate(workload(), GREEDY)
+    assert [o.outputs[0].token_ids for o in whole] == token_ids(llm.generate(workload(), GREEDY))
+
+
 def test_priority_policy_runs_urgent_requests_first(model_path):
     llm = make(model_path, scheduling_policy="priority", max_num_seqs=1)
     engine = llm.llm_engine

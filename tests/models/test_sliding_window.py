@@ -60,12 +60,12 @@ def test_all_layers_window_only_where_every_layer_slides():
     assert all_layers_window({**gemma2, "layer_types": ["sliding_attention"] * 2}) == 4096
     # The context is no longer capped at the window.
     limits = resolve_limits(EngineConfig(), {"model_type": "mistral", "sliding_window": 64,
-                                             "max_position_embeddings": 1024})
+                                             "max_position_embeddings": 1024}, "cpu")
     assert (limits.max_model_len, limits.sliding_window) == (1024, 64)
     # A vision-language model's limits are its decoder's (LLaVA over Mistral).
     llava = {"model_type": "llava", "text_config": {"model_type": "mistral", "sliding_window": 64,
                                                      "max_position_embeddings": 4096}}
-    limits = resolve_limits(EngineConfig(max_model_len=3000), llava)
+    limits = resolve_limits(EngineConfig(max_model_len=3000), llava, "cpu")
     assert (limits.max_model_len, limits.sliding_window) == (3000, 64)
 
 

@@ -269,9 +269,10 @@ def test_kv_budget_and_profiling_step():
     gib = 1 << 30
     # 80 GiB GPU at 0.9: 72 GiB, less 3 GiB in use, 2 GiB of activations, the 256 MiB reserve.
     assert gpu_kv_cache_budget(80 * gib, 77 * gib, 2 * gib, 0.9) == 67 * gib - (256 << 20)
-    assert max_step_tokens(EngineConfig(), 8192) == 2048
-    assert max_step_tokens(EngineConfig(enable_chunked_prefill=False), 8192) == 8192
-    assert max_step_tokens(EngineConfig(max_num_batched_tokens=512), 8192) == 512
+    assert max_step_tokens(EngineConfig(), 8192, "cuda") == 2048
+    assert max_step_tokens(EngineConfig(), 8192, "cpu") == 512
+    assert max_step_tokens(EngineConfig(enable_chunked_prefill=False), 8192, "cpu") == 8192
+    assert max_step_tokens(EngineConfig(max_num_batched_tokens=1024), 8192, "cpu") == 1024
     assert profile_sequence_lengths(2048, 8192) == [2048]
     assert profile_sequence_lengths(5000, 2048) == [2048, 2048, 904]
 
