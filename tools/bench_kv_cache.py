@@ -160,7 +160,8 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="HF model folder (default: the prepared SmolLM2)")
     parser.add_argument("--dtype", default=None, help="activation dtype(s), comma-separated")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--context", type=int, default=None,
+                        help="positions (default: kernel 8192; decode 8000, which leaves SmolLM2's 8,192 room to generate)")
     parser.add_argument("--seqs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=5)
@@ -174,9 +175,11 @@ def main() -> int:
         accuracy(args)
     elif args.mode == "kernel":
         args.dtype = args.dtype or "float32,bfloat16"
+        args.context = args.context or 8192
         kernel(args)
     else:
         args.dtype = args.dtype or "float32,bfloat16"
+        args.context = args.context or 8000
         decode(args)
     return 0
 
