@@ -88,8 +88,9 @@ class DraftModelProposer:
         shadow, verified = self.shadows.get(request.request_id) or (
             Request(request.request_id, None, request.prompt_token_ids, DRAFT_PARAMS), 0)
         tokens = request.all_token_ids
-        valid = min(shadow.num_computed_tokens, verified)
-        end = min(shadow.num_computed_tokens, len(tokens))
+        # At least the last token is computed again: its logits give the first draft.
+        valid = min(shadow.num_computed_tokens, verified, len(tokens) - 1)
+        end = min(shadow.num_computed_tokens, len(tokens) - 1)
         while valid < end and shadow.all_token_ids[valid] == tokens[valid]:
             valid += 1
         shadow.num_computed_tokens = valid
@@ -99,8 +100,14 @@ class DraftModelProposer:
 
     def propose(self, batch: list[tuple[Request, int]]) -> dict[str, list[int]]:
         work: list[tuple[Request, Request, int]] = []
+        drafts: dict[str, list[int]] = {}
         for request, k in batch:
             if request.num_tokens + k > self.max_len:
+                continue
+            shadow, verified = self.shadows.get(request.request_id, (None, 0))
+            if shadow is not None and verified == request.num_tokens and shadow.num_tokens >= verified + k:
+                # Proposed for and not scheduled since (the step's budget ran out): the same drafts.
+                drafts[request.request_id] = shadow.all_token_ids[verified:verified + k]
                 continue
             shadow = self._sync(request)
             # Slots for the catch-up chunk and for the drafts fed back (the last draft is not).
@@ -115,7 +122,8 @@ class DraftModelProposer:
             for shadow, token in zip(sampled, logits.argmax(dim=-1).tolist()):
                 shadow.num_computed_tokens = shadow.num_tokens
                 shadow.all_token_ids.append(token)
-        return {request.request_id: shadow.all_token_ids[request.num_tokens:] for request, shadow, _ in work}
+        drafts.update((request.request_id, shadow.all_token_ids[request.num_tokens:]) for request, shadow, _ in work)
+        return drafts
 
     def finish(self, request: Request) -> None:
         shadow, _ = self.shadows.pop(request.request_id, (None, 0))

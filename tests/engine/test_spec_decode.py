@@ -232,6 +232,32 @@ def test_draft_model_same_as_target_accepts_every_draft(model_path, llm):
     assert_all_blocks_free(draft)
 
 
+
+def test_draft_model_exact_when_the_step_budget_leaves_proposed_requests_out(model_path, llm):
+    """Eight tokens a step for four decodes of 1 + 3 drafts: each step verifies two and leaves the other
+    two, already proposed for, to be proposed for again with nothing new, and some decodes verify fewer
+    drafts than were proposed. Every shadow in a draft step still computes a token (a chunk of none
+    crashed the CPU's flash attention with SIGFPE)."""
+    draft = LLM(model_path, dtype="float32", kv_cache_memory_bytes=32 << 20, max_num_batched_tokens=8,
+                speculative_config={"method": "draft_model", "model": model_path, "num_speculative_tokens": 3})
+    runner = draft.llm_engine.spec.proposer.runner
+    chunks: list[int] = []
+    execute = runner.execute
+
+    def counting(step):
+        chunks.extend(n for _, n in step.scheduled)
+        return execute(step)
+
+    runner.execute = counting
+    prompts = REPETITIVE[:2] + PLAIN[:2]
+    expected = llm.generate(prompts, greedy(16))
+    outputs = draft.generate(prompts, greedy(16))
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert chunks and min(chunks) > 0, sorted(chunks)[:8]
+    counters = spec_counters(draft)
+    assert counters["num_accepted_tokens"] >= 0.95 * counters["num_draft_tokens"] > 0, counters
+    assert_all_blocks_free(draft)
+
 # -- sampling keeps the target distribution ------------------------------------------------------------
 VOCAB = 8
 TINY_PROMPT = [1, 5, 2, 7, 0, 3, 6, 4, 1, 5, 2, 7, 0, 3, 6, 4, 1, 5]  # every token: ngram always drafts
