@@ -122,8 +122,9 @@ def decode(args) -> None:
     print("|---|---|---:|---:|")
     for dtype in args.dtype.split(","):
         engines = {kv: LLM(args.model, dtype=dtype, kv_cache_dtype=kv, max_model_len=args.context + args.max_tokens + 16,
-                           max_num_seqs=max(4, args.seqs), seed=0,
-                           kv_cache_memory_bytes=args.seqs << 29) for kv in ("auto", "fp8")}  # room for all
+                           max_num_seqs=max(4, args.seqs), seed=0, kv_cache_memory_bytes=args.seqs << 29,  # room for all
+                           # a prompt a step: the first prompts decode only a few tokens before all do
+                           max_num_batched_tokens=args.context + args.seqs) for kv in ("auto", "fp8")}
         prompts = [[1000 + (7 * i + 13 * seq) % 20000 for i in range(args.context)] for seq in range(args.seqs)]
         times: dict[str, list[float]] = {kv: [] for kv in engines}
         for _ in range(args.rounds):

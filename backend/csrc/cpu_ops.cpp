@@ -329,16 +329,37 @@ void attend_one_narrow(T* out, const T* query, const Item<C>& item, const Item<C
     for (int j = 0; j < V; ++j) store(q[g] + j * kLanes, load(query + g * dim + j * kLanes) * scale);
     max[g] = -INFINITY;
   }
-  const C* keys[kLanes];
-  const C* values[kLanes];
+  // An 8-bit cache's chunk is widened once into float rows in L1 (4 KiB at 64 dims) that every query
+  // head then reads: read in place, each code was widened once per query head, G times.
+  constexpr bool kStage = sizeof(C) == 1;
+  using K = std::conditional_t<kStage, float, C>;
+  alignas(64) float staged[kStage ? 2 * kLanes * dim : 1];
+  const C* rows[kLanes];
+  const K* keys[kLanes];
+  const K* values[kLanes];
   const int64_t shift = next.begin - item.begin;
   for (int64_t start = item.begin; start < len; start += kLanes) {
     const int64_t count = std::min<int64_t>(len - start, kLanes);
-    for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(item.table, start + p, block_size) * dim;
-    for (int64_t p = count; p < kLanes; ++p) keys[p] = keys[0];
-    for (int64_t p = 0; p < kLanes; ++p) values[p] = value_cache + (keys[p] - key_cache);
+    for (int64_t p = 0; p < count; ++p) rows[p] = key_cache + row_of(item.table, start + p, block_size) * dim;
     prefetch_after_jump(item, start + kLanes, block_size, dim);
     prefetch_rows<2>(next, start + shift, block_size, dim);
+    if constexpr (kStage) {
+      for (int64_t p = 0; p < count; ++p) {
+        const C* value = value_cache + (rows[p] - key_cache);
+        for (int j = 0; j < V; ++j) {
+          store(staged + p * dim + j * kLanes, load(rows[p] + j * kLanes));
+          store(staged + (kLanes + p) * dim + j * kLanes, load(value + j * kLanes));
+        }
+        keys[p] = staged + p * dim;
+        values[p] = staged + (kLanes + p) * dim;
+      }
+    } else {
+      for (int64_t p = 0; p < count; ++p) {
+        keys[p] = rows[p];
+        values[p] = value_cache + (rows[p] - key_cache);
+      }
+    }
+    for (int64_t p = count; p < kLanes; ++p) keys[p] = keys[0];
     for (int g = 0; g < G; ++g) {
       vfloat dots[kLanes] = {};
       for (int j0 = 0; j0 < V; j0 += QBlock) {
