@@ -23,7 +23,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -31,6 +34,11 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define TRITONLLM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "kv_cache.h"
@@ -40,6 +48,8 @@ namespace {
 
 constexpr int64_t kQueryTile = 64;  // query tokens an item takes: G x 64 lanes, whole groups of 4 vectors
 constexpr int64_t kKeyTile = 32;    // keys scored, then weighed, at a time (even: bfloat16 pairs them)
+constexpr int64_t kAmxKeyTile = 128;  // the same on AMX tiles: 4 blocks of 16 keys, 2 tiles of 32 weights
+constexpr int64_t kAmxQueryTile = 64;  // query tokens an AMX item takes: its buffers then stay in L1
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kMaxSlack = 8.f;  // log2 units: weights up to 2^8 before the running max moves
 
@@ -47,9 +57,19 @@ constexpr float kMaxSlack = 8.f;  // log2 units: weights up to 2^8 before the ru
 // (fitted here for relative error: at most 2.4e-7 in float32, tests/ops/test_prefill_attention.py
 // measures it); 0 below 2^-125 (masked scores are -inf).
 __attribute__((always_inline)) inline vfloat exp2_lanes(vfloat x) {
+#if defined(__AVX512F__)
+  // n rounded by vrndscaleps, 2^n applied by vscalefps, the lanes below -125 zeroed by its mask: the
+  // same numbers in fewer instructions (NaN stays NaN: max_ps returns its second operand).
+  const __mmask16 live = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
+  // (The masked forms, all lanes kept: GCC 12 warns of the plain forms' undefined pass-through.)
+  x = (vfloat)_mm512_mask_max_ps((__m512)x, 0xffff, _mm512_set1_ps(-125.f), (__m512)x);
+  const vfloat n =
+      (vfloat)_mm512_mask_roundscale_ps((__m512)x, 0xffff, (__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
   const vint underflow = x < -125.f;
   x = underflow ? splat(-125.f) : x;
   const vfloat n = (x + 12582912.f) - 12582912.f;  // 1.5 * 2^23: rounds to the nearest integer
+#endif
   const vfloat f = x - n;
   vfloat p = splat(1.3276471291e-3f);
   p = p * f + 9.6755409613e-3f;
@@ -57,10 +77,14 @@ __attribute__((always_inline)) inline vfloat exp2_lanes(vfloat x) {
   p = p * f + 2.4022120237e-1f;
   p = p * f + 6.9314694405e-1f;
   p = p * f + 1.0000001192e+0f;
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_maskz_scalef_ps(live, (__m512)p, (__m512)n);
+#else
   const vint exponent = (__builtin_convertvector(n, vint) + 127) << 23;
   vfloat power;
   std::memcpy(&power, &exponent, sizeof power);
   return underflow ? splat(0.f) : p * power;
+#endif
 }
 
 __attribute__((always_inline)) inline bool any_lane(vint mask) {
@@ -101,14 +125,36 @@ template <typename W, typename C> __attribute__((always_inline)) inline void con
     for (int64_t i = 0; i < dim; i += kLanes) store(dst + i, load(src + i));
 }
 
+// Zeroed floats on whole cache lines: a load whose rows straddle two lines (an AMX tile's, of a
+// std::vector's 16-byte alignment) took 6x as long.
+class LineBuffer {
+ public:
+  explicit LineBuffer(int64_t size)
+      : size_(size), data_(static_cast<float*>(std::aligned_alloc(64, (size * sizeof(float) + 63) / 64 * 64))) {
+    if (data_ == nullptr) throw std::bad_alloc();
+    std::fill(begin(), end(), 0.f);
+  }
+  float* data() const { return data_.get(); }
+  float* begin() const { return data(); }
+  float* end() const { return data() + size_; }
+
+ private:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  int64_t size_;
+  std::unique_ptr<float, Free> data_;
+};
+
 // Each thread's buffers for one item (M = G x kQueryTile lanes): the queries transposed (a dim's
 // values of all lanes together), the output likewise, a tile's scores and weights [key][lane], its
 // keys and values, and the softmax's running max and sum per lane.
 struct Scratch {
-  std::vector<float> queries, output, scores, weights, keys, values, value_rows, max, sum;
+  LineBuffer queries, output, scores, weights, keys, values, value_rows, max, sum;
+  static constexpr int64_t kTile = std::max(kKeyTile, kAmxKeyTile);
   Scratch(int64_t lanes, int64_t dim)
-      : queries(dim * lanes), output(dim * lanes), scores(kKeyTile * lanes), weights(kKeyTile * lanes),
-        keys(kKeyTile * dim), values(kKeyTile * dim), value_rows(kKeyTile * dim), max(lanes), sum(lanes) {}
+      : queries(dim * lanes), output(dim * lanes), scores(kTile * lanes), weights(kTile * lanes),
+        keys(kTile * dim), values(kTile * dim), value_rows(kTile * dim), max(lanes), sum(lanes) {}
 };
 
 // Register blocks: key rows (or output dims) x lane vectors. 16 accumulators where there are 32
@@ -234,16 +280,24 @@ __attribute__((always_inline)) inline vuint bits_of(vfloat v) {
 // The online softmax over a tile's scores (log2 units): the running max moves where the tile passes
 // it by more than kMaxSlack (the output and sum scaled down to the new max), then each score's
 // weight 2^(score - max) joins the sum. Pairs: the weights rounded to bfloat16, two keys' in 32 bits.
-template <bool Pairs>
+// Scaled: the scores are plain dot products (AMX's), each multiplied by `scale` as it is read.
+template <bool Pairs, bool Scaled = false>
 __attribute__((optimize("fp-contract=fast")))
 void tile_softmax(float* weights, const float* scores, float* max, float* sum, float* output, int64_t lanes,
-                  int64_t dim, int64_t count) {
+                  int64_t dim, int64_t count, float scale = 1.f) {
+  // Scaled: the max is taken of the plain scores (scale > 0) and each weight is 2^(s * scale - max), one FMA.
+  const vfloat factor = splat(Scaled ? scale : 1.f);
+  const auto weight = [&](int64_t k, int64_t j, vfloat running_max) {
+    const vfloat s = load(scores + k * lanes + j);
+    return exp2_lanes(Scaled ? s * factor - running_max : s - running_max);
+  };
   for (int64_t j = 0; j < lanes; j += kLanes) {
     vfloat tile_max = splat(-INFINITY);
     for (int64_t k = 0; k < count; ++k) {
       const vfloat s = load(scores + k * lanes + j);
       tile_max = s > tile_max ? s : tile_max;
     }
+    if constexpr (Scaled) tile_max *= factor;
     vfloat running_max = load(max + j), total = load(sum + j);
     if (any_lane(tile_max > running_max + kMaxSlack)) {
       const vfloat new_max = tile_max > running_max ? tile_max : running_max;
@@ -256,23 +310,207 @@ void tile_softmax(float* weights, const float* scores, float* max, float* sum, f
     if constexpr (Pairs) {
       uint32_t* pairs = reinterpret_cast<uint32_t*>(weights);
       for (int64_t k = 0; k < count; k += 2) {
-        const vfloat first = round_to<bf16>(exp2_lanes(load(scores + k * lanes + j) - running_max));
-        const vfloat second =
-            k + 1 < count ? round_to<bf16>(exp2_lanes(load(scores + (k + 1) * lanes + j) - running_max)) : splat(0.f);
-        total += first + second;
-        const vuint pair = (bits_of(first) >> 16) | (bits_of(second) & 0xffff0000u);
+        const vfloat first = weight(k, j, running_max);
+        const vfloat second = k + 1 < count ? weight(k + 1, j, running_max) : splat(0.f);
+#if defined(__AVX512BF16__)
+        // Both rounded to bfloat16 in one instruction ([first's 16 | second's 16]), then interleaved.
+        const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                    23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)second, (__m512)first);
+        const __m512i pair_bits = _mm512_permutexvar_epi16(interleave, both);
+        vuint pair;
+        std::memcpy(&pair, &pair_bits, sizeof pair);
+        const vuint first_bits = pair << 16, second_bits = pair & 0xffff0000u;
+        vfloat first_rounded, second_rounded;
+        std::memcpy(&first_rounded, &first_bits, sizeof first_rounded);
+        std::memcpy(&second_rounded, &second_bits, sizeof second_rounded);
+        total += first_rounded + second_rounded;
+#else
+        const vfloat first_rounded = round_to<bf16>(first), second_rounded = round_to<bf16>(second);
+        total += first_rounded + second_rounded;
+        const vuint pair = (bits_of(first_rounded) >> 16) | (bits_of(second_rounded) & 0xffff0000u);
+#endif
         std::memcpy(pairs + k / 2 * lanes + j, &pair, sizeof pair);
       }
     } else {
       for (int64_t k = 0; k < count; ++k) {
-        const vfloat weight = exp2_lanes(load(scores + k * lanes + j) - running_max);
-        total += weight;
-        store(weights + k * lanes + j, weight);
+        const vfloat w = weight(k, j, running_max);
+        total += w;
+        store(weights + k * lanes + j, w);
       }
     }
     store(sum + j, total);
   }
 }
+
+#if defined(TRITONLLM_AMX)
+// AMX (Sapphire Rapids on): eight tile registers of up to 16 rows x 64 bytes, and TDPBF16PS, which adds
+// A [16][32 bfloat16] x B [16 pairs][16 x 2 bfloat16] into C [16][16 float32] in one instruction (B
+// pairs two consecutive k of each column in 32 bits, as `queries` and `weights` hold them). Both
+// products of an item run on it, transposed so that the softmax keeps its layout (lanes in vectors):
+// scores^T [key][lane] = keys [key][dim] x queries^T, keys' rows read as the A operand as they lie;
+// output^T [dim][lane] += values^T [dim][key] x weights^T, the values transposed once per tile.
+// All eight tiles are configured 16 rows x 64 bytes.
+
+// Linux hands out AMX's 8 KiB of tile state only to a process that asks for it (once, for all its threads).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+std::atomic<bool> amx_enabled{true};
+
+bool amx_uses_tiles() { return amx_enabled && amx_permitted(); }
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t columns_bytes[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig config;
+  for (int i = 0; i < 8; ++i) {
+    config.columns_bytes[i] = 64;
+    config.rows[i] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// A tile's scores and output run four accumulators (tiles 4-7) at a time, so that consecutive
+// TDPBF16PS never wait on each other's result (each takes several times its issue interval), with the
+// A operands alternating between tiles 0 and 1 and the B operands between 2 and 3.
+
+// scores[k][lane] = keys[k] . q[lane] for the tile's kAmxKeyTile keys, 64 at a time (unscaled; rows
+// past the tile's keys are left as they come out); queries [D / 2][lane] in pairs, keys [k][D] bfloat16.
+template <int D>
+void amx_tile_scores(float* scores, const uint32_t* queries, const bf16* keys, int64_t lanes) {
+  static_assert((D == 64 || D == 128) && kAmxKeyTile % 64 == 0);
+  const int64_t stride = lanes * 4;
+  for (int64_t k0 = 0; k0 < kAmxKeyTile; k0 += 64)
+    for (int64_t j = 0; j < lanes; j += 16) {
+      float* out = scores + k0 * lanes + j;
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int c = 0; c < D / 32; c += 2) {  // 32 dims a step: A [16 keys][32 dims], B [16 dim pairs][16 lanes]
+        const bf16* key = keys + k0 * D + c * 32;
+        _tile_loadd(2, queries + c * 16 * lanes + j, stride);
+        _tile_loadd(0, key, D * 2);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_loadd(1, key + 16 * D, D * 2);
+        _tile_dpbf16ps(5, 1, 2);
+        _tile_loadd(0, key + 32 * D, D * 2);
+        _tile_dpbf16ps(6, 0, 2);
+        _tile_loadd(1, key + 48 * D, D * 2);
+        _tile_dpbf16ps(7, 1, 2);
+        _tile_loadd(3, queries + (c + 1) * 16 * lanes + j, stride);
+        _tile_loadd(0, key + 32, D * 2);
+        _tile_dpbf16ps(4, 0, 3);
+        _tile_loadd(1, key + 16 * D + 32, D * 2);
+        _tile_dpbf16ps(5, 1, 3);
+        _tile_loadd(0, key + 32 * D + 32, D * 2);
+        _tile_dpbf16ps(6, 0, 3);
+        _tile_loadd(1, key + 48 * D + 32, D * 2);
+        _tile_dpbf16ps(7, 1, 3);
+      }
+      _tile_stored(4, out, stride);
+      _tile_stored(5, out + 16 * lanes, stride);
+      _tile_stored(6, out + 32 * lanes, stride);
+      _tile_stored(7, out + 48 * lanes, stride);
+    }
+}
+
+// output[d][lane] += sum over the tile's kAmxKeyTile keys k of values_t[d][k] * weights[k][lane];
+// values_t [D][kAmxKeyTile] bfloat16, weights [k / 2][lane] in pairs (zeros past the tile's keys).
+// Each accumulator is loaded and stored once a tile and takes kAmxKeyTile / 32 products.
+template <int D>
+void amx_tile_output(float* output, const uint32_t* weights, const bf16* values_t, int64_t lanes) {
+  const int64_t stride = lanes * 4;
+  constexpr int64_t kRow = kAmxKeyTile * 2;  // bytes
+  for (int d = 0; d < D; d += 64)
+    for (int64_t j = 0; j < lanes; j += 16) {
+      float* out = output + d * lanes + j;
+      _tile_loadd(4, out, stride);
+      _tile_loadd(5, out + 16 * lanes, stride);
+      _tile_loadd(6, out + 32 * lanes, stride);
+      _tile_loadd(7, out + 48 * lanes, stride);
+      for (int64_t k = 0; k < kAmxKeyTile; k += 64) {
+        const bf16* value = values_t + d * kAmxKeyTile + k;
+        _tile_loadd(2, weights + k / 2 * lanes + j, stride);  // 32 keys: A [16 dims][32 keys], B [16 key pairs][16 lanes]
+        _tile_loadd(0, value, kRow);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_loadd(1, value + 16 * kAmxKeyTile, kRow);
+        _tile_dpbf16ps(5, 1, 2);
+        _tile_loadd(0, value + 32 * kAmxKeyTile, kRow);
+        _tile_dpbf16ps(6, 0, 2);
+        _tile_loadd(1, value + 48 * kAmxKeyTile, kRow);
+        _tile_dpbf16ps(7, 1, 2);
+        _tile_loadd(3, weights + (k / 2 + 16) * lanes + j, stride);  // the next 32
+        _tile_loadd(0, value + 32, kRow);
+        _tile_dpbf16ps(4, 0, 3);
+        _tile_loadd(1, value + 16 * kAmxKeyTile + 32, kRow);
+        _tile_dpbf16ps(5, 1, 3);
+        _tile_loadd(0, value + 32 * kAmxKeyTile + 32, kRow);
+        _tile_dpbf16ps(6, 0, 3);
+        _tile_loadd(1, value + 48 * kAmxKeyTile + 32, kRow);
+        _tile_dpbf16ps(7, 1, 3);
+      }
+      _tile_stored(4, out, stride);
+      _tile_stored(5, out + 16 * lanes, stride);
+      _tile_stored(6, out + 32 * lanes, stride);
+      _tile_stored(7, out + 48 * lanes, stride);
+    }
+}
+
+// values_t [D][kAmxKeyTile] from value rows [k][D], for the first `keys` rows (whole 32s: the rows
+// past the tile's keys are zeros). 16 x 16 blocks of 32-bit pairs of dims are transposed in registers,
+// then each row of pairs splits into its two dims' rows.
+template <int D>
+void transpose_values(bf16* values_t, const bf16* rows, int64_t keys) {
+  for (int64_t k0 = 0; k0 < keys; k0 += 16)
+    for (int d0 = 0; d0 < D; d0 += 32) {
+      // (Written as GCC vector shuffles: the intrinsics' undefined pass-through draws GCC 12 warnings.)
+      vuint r[16], t[16];
+      for (int i = 0; i < 16; ++i) std::memcpy(&r[i], rows + (k0 + i) * D + d0, sizeof r[i]);  // 16 pairs of dims
+      for (int i = 0; i < 16; i += 2) {  // 32-bit unpacks within each 128-bit lane
+        t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
+        t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+      }
+      for (int i = 0; i < 16; i += 4)  // 64-bit unpacks
+        for (int h = 0; h < 2; ++h) {
+          r[i + h] = __builtin_shufflevector(t[i + h], t[i + 2 + h], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13,
+                                             28, 29);
+          r[i + 2 + h] = __builtin_shufflevector(t[i + h], t[i + 2 + h], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27,
+                                                 14, 15, 30, 31);
+        }
+      for (int i = 0; i < 16; i += 8)  // 128-bit lanes: even ones, then odd ones
+        for (int h = 0; h < 4; ++h) {
+          t[i + h] = __builtin_shufflevector(r[i + h], r[i + 4 + h], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                                             26, 27);
+          t[i + 4 + h] = __builtin_shufflevector(r[i + h], r[i + 4 + h], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
+                                                 28, 29, 30, 31);
+        }
+      for (int h = 0; h < 8; ++h) {
+        r[h] = __builtin_shufflevector(t[h], t[8 + h], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+        r[8 + h] = __builtin_shufflevector(t[h], t[8 + h], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+      }
+      // r[x] now holds one column of pairs for the 16 keys: column (x & 12) + (0, 2, 1, 3)[x & 3] (the
+      // 64-bit unpacks leave the middle two swapped); its two dims' rows are written.
+      for (int x = 0; x < 16; ++x) {
+        const int pair = (x & 12) | (x & 1) << 1 | (x >> 1 & 1);
+        const vhalf low = __builtin_convertvector(r[x], vhalf);
+        const vhalf high = __builtin_convertvector(r[x] >> 16, vhalf);
+        std::memcpy(values_t + (d0 + 2 * pair) * kAmxKeyTile + k0, &low, sizeof low);
+        std::memcpy(values_t + (d0 + 2 * pair + 1) * kAmxKeyTile + k0, &high, sizeof high);
+      }
+    }
+}
+#endif
 
 // Where a chunk's work lies: its queries [tokens, heads, dim] (token rows `query_stride` apart),
 // its output [tokens, heads, dim], its block table, and how many positions precede its first token.
@@ -289,18 +527,22 @@ struct Chunk {
 
 // One item: query tokens [first, first + count) of KV head `kv_head`'s G query heads, over
 // positions [0, cached + first + count) of the cache, causal for the tiles that reach the tokens.
-template <typename T, typename C, bool Pairs, int D>
+// Amx (bfloat16 pairs only): both products on AMX tiles, kAmxKeyTile keys at a time.
+template <typename T, typename C, bool Pairs, int D, bool Amx = false>
 __attribute__((optimize("fp-contract=fast")))
 void attend_item(const Chunk<T, C>& chunk, int64_t kv_head, int64_t first, Scratch& scratch) {
+  static_assert(!Amx || Pairs);
   using W = std::conditional_t<Pairs, bf16, float>;  // what the tiles hold
-  const int64_t group = chunk.heads / chunk.kv_heads, lanes = group * kQueryTile;
-  const int64_t count = std::min(kQueryTile, chunk.tokens - first);
+  constexpr int64_t kTile = Amx ? kAmxKeyTile : kKeyTile, kRows = Amx ? 32 : 4;  // keys; rows filled
+  constexpr int64_t kTokens = Amx ? kAmxQueryTile : kQueryTile;
+  const int64_t group = chunk.heads / chunk.kv_heads, lanes = group * kTokens;
+  const int64_t count = std::min(kTokens, chunk.tokens - first);
   const int64_t first_position = chunk.cached + first, end = first_position + count;
   float* queries = scratch.queries.data();
   uint32_t* query_pairs = reinterpret_cast<uint32_t*>(queries);
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t t = 0; t < kQueryTile; ++t) {
-      const int64_t lane = g * kQueryTile + t;
+    for (int64_t t = 0; t < kTokens; ++t) {
+      const int64_t lane = g * kTokens + t;
       const T* row = chunk.query + (first + t) * chunk.query_stride + (kv_head * group + g) * D;
       if constexpr (Pairs) {
         uint32_t pairs[D / 2] = {};
@@ -318,19 +560,25 @@ void attend_item(const Chunk<T, C>& chunk, int64_t kv_head, int64_t first, Scrat
   W* value_rows = reinterpret_cast<W*>(Pairs ? scratch.value_rows.data() : scratch.values.data());
   const C* key_cache = chunk.cache + kv_head * chunk.head_cache;
   const C* value_cache = chunk.cache + (chunk.kv_heads + kv_head) * chunk.head_cache;
-  for (int64_t start = 0; start < end; start += kKeyTile) {
-    const int64_t keys_here = std::min(kKeyTile, end - start);
+  for (int64_t start = 0; start < end; start += kTile) {
+    const int64_t keys_here = std::min(kTile, end - start);
     for (int64_t k = 0; k < keys_here; ++k) {
       const int64_t row = row_of(chunk.table, start + k, chunk.block_size) * D;
       convert_row(keys + k * D, key_cache + row, D);
       convert_row(value_rows + k * D, value_cache + row, D);
     }
-    const int64_t filled = std::min(kKeyTile, (keys_here + 3) / 4 * 4);  // whole row blocks
+    const int64_t filled = std::min(kTile, (keys_here + kRows - 1) / kRows * kRows);  // whole row blocks
     std::fill(keys + keys_here * D, keys + filled * D, W{});
     std::fill(value_rows + keys_here * D, value_rows + filled * D, W{});
     float* scores = scratch.scores.data();
+#if defined(TRITONLLM_AMX)
+    if constexpr (Amx) {
+      transpose_values<D>(reinterpret_cast<bf16*>(scratch.values.data()), value_rows, filled);
+      amx_tile_scores<D>(scores, query_pairs, keys, lanes);
+    }
+#endif
 #if defined(__AVX512BF16__)
-    if constexpr (Pairs) {
+    if constexpr (Pairs && !Amx) {
       uint32_t* values = reinterpret_cast<uint32_t*>(scratch.values.data());  // [k / 2][d]: keys 2i, 2i + 1
       for (int64_t k = 0; k < keys_here; k += 2)
         for (int d = 0; d < D; d += kLanes) {
@@ -348,17 +596,24 @@ void attend_item(const Chunk<T, C>& chunk, int64_t kv_head, int64_t first, Scrat
       vint lane_token;
       for (int i = 0; i < kLanes; ++i) lane_token[i] = i;
       for (int64_t j = 0; j < lanes; j += kLanes) {
-        const vint position = lane_token + int32_t(first_position + j % kQueryTile);
+        const vint position = lane_token + int32_t(first_position + j % kTokens);
         for (int64_t k = 0; k < keys_here; ++k) {
           const vfloat s = load(scores + k * lanes + j);
           store(scores + k * lanes + j, int32_t(start + k) > position ? splat(-INFINITY) : s);
         }
       }
     }
-    tile_softmax<Pairs>(scratch.weights.data(), scores, scratch.max.data(), scratch.sum.data(), output, lanes, D,
-                        keys_here);
+    tile_softmax<Pairs, Amx>(scratch.weights.data(), scores, scratch.max.data(), scratch.sum.data(), output, lanes,
+                             D, keys_here, chunk.scale);
+#if defined(TRITONLLM_AMX)
+    if constexpr (Amx) {
+      uint32_t* weights = reinterpret_cast<uint32_t*>(scratch.weights.data());  // zeros past the tile's keys
+      std::fill(weights + (keys_here + 1) / 2 * lanes, weights + kAmxKeyTile / 2 * lanes, 0u);
+      amx_tile_output<D>(output, weights, reinterpret_cast<const bf16*>(scratch.values.data()), lanes);
+    }
+#endif
 #if defined(__AVX512BF16__)
-    if constexpr (Pairs)
+    if constexpr (Pairs && !Amx)
       tile_output_pairs<D>(output, reinterpret_cast<const uint32_t*>(scratch.weights.data()),
                            reinterpret_cast<const uint32_t*>(scratch.values.data()), lanes, keys_here);
 #endif
@@ -367,8 +622,8 @@ void attend_item(const Chunk<T, C>& chunk, int64_t kv_head, int64_t first, Scrat
   alignas(64) float row[D];
   for (int64_t g = 0; g < group; ++g)
     for (int64_t t = 0; t < count; ++t) {
-      const int64_t lane = g * kQueryTile + t;
-      const float factor = chunk.value_scale / scratch.sum[lane];
+      const int64_t lane = g * kTokens + t;
+      const float factor = chunk.value_scale / scratch.sum.data()[lane];
       for (int d = 0; d < D; ++d) row[d] = output[d * lanes + lane] * factor;
       T* out = chunk.out + ((first + t) * chunk.heads + kv_head * group + g) * D;
       for (int d = 0; d < D; d += kLanes) store(out + d, load(row + d));
@@ -392,14 +647,29 @@ void prefill_attention(T* out, const T* query, int64_t query_stride, const C* ca
   constexpr bool pairs = false;
 #endif
   auto item = dim == 64 ? attend_item<T, C, pairs, 64> : attend_item<T, C, pairs, 128>;
-  const int64_t query_tiles = (tokens + kQueryTile - 1) / kQueryTile, items = query_tiles * kv_heads;
+  bool amx = false;
+#if defined(TRITONLLM_AMX)
+  if constexpr (pairs) {
+    amx = amx_uses_tiles();
+    if (amx) item = dim == 64 ? attend_item<T, C, true, 64, true> : attend_item<T, C, true, 128, true>;
+  }
+#endif
+  const int64_t query_tile = amx ? kAmxQueryTile : kQueryTile;
+  const int64_t query_tiles = (tokens + query_tile - 1) / query_tile, items = query_tiles * kv_heads;
   std::atomic<int64_t> claimed{0};
 #pragma omp parallel if (items > 1)
   {
-    Scratch scratch(heads / kv_heads * kQueryTile, dim);
+#if defined(TRITONLLM_AMX)
+    if (amx) configure_tiles();  // each thread's own tile registers
+#endif
+    Scratch scratch(heads / kv_heads * query_tile, dim);
     for (int64_t i = claimed++; i < items; i = claimed++)
-      item(chunk, i % kv_heads, (query_tiles - 1 - i / kv_heads) * kQueryTile, scratch);
+      item(chunk, i % kv_heads, (query_tiles - 1 - i / kv_heads) * query_tile, scratch);
+#if defined(TRITONLLM_AMX)
+    if (amx) _tile_release();
+#endif
   }
+  (void)amx;
 }
 
 }  // namespace
@@ -432,3 +702,15 @@ void prefill_attention(T* out, const T* query, int64_t query_stride, const C* ca
 
 EXPORT_PREFILL(float, f32)
 EXPORT_PREFILL(bf16, bf16)
+
+// Whether bfloat16 chunks run on AMX tiles: built for them, the kernel asked for them by `enable`
+// (1 on, 0 off, -1 as it is) and the OS lending them.
+extern "C" int64_t prefill_attention_amx(int64_t enable) {
+#if defined(TRITONLLM_AMX)
+  if (enable >= 0) amx_enabled = enable != 0;
+  return amx_uses_tiles();
+#else
+  (void)enable;
+  return 0;
+#endif
+}

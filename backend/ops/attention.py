@@ -42,8 +42,14 @@ from backend.kernels.reference import (FP8_KV_DTYPES, causal_attention_reference
 # where they break even was measured (docs/benchmarks.md, long prompts, and "Measured reasons behind
 # code choices").
 FLASH_MIN_QUERY_TOKENS = 64
-# Long chunks on the C++ prefill kernel (csrc/cpu_prefill_attention.cpp); "flash" keeps torch's op.
-OWN_PREFILL_KERNEL = os.environ.get("TRITONLLM_CPU_PREFILL_ATTENTION") != "flash"
+# The same for torch's flash op, where it takes the long chunks (bfloat16 on AMX): on an AMX host its
+# whole steps were 5% slower at 128-token prompts than the decode kernel's, the same at 160.
+FLASH_OP_MIN_QUERY_TOKENS = 160
+# Which kernel takes the long chunks: "own" (csrc/cpu_prefill_attention.cpp), "flash" (torch's op,
+# `flash_prefill`), or "auto": ours, except bfloat16 on a CPU with AMX when ours was built without AMX
+# tiles, where torch's op (on AMX) ran 3x faster than our vdpbf16ps kernel (docs/benchmarks.md,
+# "Long prompts on AMX").
+PREFILL_KERNEL = os.environ.get("TRITONLLM_CPU_PREFILL_ATTENTION", "auto")
 # Positions of a chunk's cached prefix gathered and attended at a time: a bound on the copy, large
 # enough that a context of up to 8k positions takes one tile (each tile adds a pass to merge it).
 PREFIX_TILE_TOKENS = 8192
@@ -135,8 +141,10 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     token at a time), the C++ prefill kernel (or `flash_prefill`) for chunks of at least
     FLASH_MIN_QUERY_TOKENS that `flash_takes`."""
     num_tokens, num_heads, head_dim = query.shape
+    own_kernel = own_prefill_kernel(query.dtype)
+    min_tokens = FLASH_MIN_QUERY_TOKENS if own_kernel else FLASH_OP_MIN_QUERY_TOKENS
     long_spans = [span for span in meta.prefills if span.bidirectional or (
-        span.num_query_tokens >= FLASH_MIN_QUERY_TOKENS and flash_takes(span, sliding_window, logits_soft_cap))]
+        span.num_query_tokens >= min_tokens and flash_takes(span, sliding_window, logits_soft_cap))]
     if not long_spans:
         out = cpu_ops.paged_attention(query, kv_cache, meta.block_tables, meta.token_rows,
                                       meta.token_context_lens, scale, sliding_window=sliding_window,
@@ -153,7 +161,7 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if span.bidirectional:
             pieces.append(reference_prefill(query[rows], kv_cache, span, scale, sliding_window=sliding_window,
                                             logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale))
-        elif span.num_query_tokens and OWN_PREFILL_KERNEL:  # the cache holds the chunk's keys by now
+        elif span.num_query_tokens and own_kernel:  # the cache holds the chunk's keys by now
             pieces.append(cpu_ops.prefill_attention(query[rows], kv_cache, span.block_table, span.context_len, scale,
                                                     k_scale=k_scale, v_scale=v_scale))
         elif span.num_query_tokens:
@@ -164,6 +172,14 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     # touch alone (page faults) cost as much as the copy.
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def own_prefill_kernel(dtype: torch.dtype) -> bool:
+    """Whether long chunks of `dtype` run on our C++ prefill kernel rather than torch's flash op
+    (`PREFILL_KERNEL`)."""
+    if PREFILL_KERNEL in ("own", "flash"):
+        return PREFILL_KERNEL == "own"
+    return dtype != torch.bfloat16 or not cpu_ops.has_amx_bf16() or cpu_ops.prefill_on_amx()
 
 
 def flash_takes(span: PrefillSpan, sliding_window: int | None, logits_soft_cap: float | None) -> bool:

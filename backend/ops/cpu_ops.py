@@ -167,6 +167,7 @@ def _library() -> ctypes.CDLL | None:
         library.lora_pairs_bf16.restype = None
         library.moe_experts_bf16.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64]
         library.moe_experts_bf16.restype = None
+    library.prefill_attention_amx.argtypes, library.prefill_attention_amx.restype = [i64], i64
     if hasattr(library, "linear_f32"):  # built for AVX2 and FMA, or AVX-512
         library.linear_f32_multiple.argtypes, library.linear_f32_multiple.restype = [flag], i64
         library.pack_linear_f32.argtypes, library.pack_linear_f32.restype = [ptr, ptr, i64, i64, flag], None
@@ -345,6 +346,13 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     return out
 
 
+def prefill_on_amx(enable: bool | None = None) -> bool:
+    """Whether `prefill_attention` multiplies bfloat16 on AMX tiles (built where the compiler targets
+    AMX, and the OS lends the tiles); `enable` turns that on or off for the process first."""
+    library = _library()
+    return library is not None and bool(library.prefill_attention_amx(-1 if enable is None else int(enable)))
+
+
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """float32 logits [rows, vocab] -> int64 token ids [rows]: argmax where temperature is 0, else
     the inverse-CDF draw of softmax(logits / T) at `uniforms` (as backend.sampling.sampler.inverse_cdf)."""
@@ -392,7 +400,14 @@ def own_linear_kernel(dtype: torch.dtype = torch.bfloat16) -> bool:
         return False
     if dtype == torch.float32:
         return hasattr(library, "linear_f32")
-    return dtype == torch.bfloat16 and hasattr(library, "linear_bf16") and "amx_bf16" not in cpu_flags().split()
+    return dtype == torch.bfloat16 and hasattr(library, "linear_bf16") and not has_amx_bf16()
+
+
+@functools.cache
+def has_amx_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 on AMX tiles (oneDNN, and so torch's linears and flash
+    attention, use them)."""
+    return "amx_bf16" in cpu_flags().split()
 
 
 def out_multiple(dtype: torch.dtype, gated: bool = False) -> int:

@@ -104,6 +104,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(attention, "PREFIX_TILE_TOKENS", 32)
     # ...and chunks of this size already count as long, so that the small cases reach flash_prefill.
     monkeypatch.setattr(attention, "FLASH_MIN_QUERY_TOKENS", 64)
+    monkeypatch.setattr(attention, "FLASH_OP_MIN_QUERY_TOKENS", 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -115,7 +116,7 @@ def test_mixed_step_matches_reference(dtype, heads, kv_heads, head_dim, path, mo
     in flash tiles) against the references."""
     torch.manual_seed(0)
     query, key, value, cache, meta = make_step(SEQUENCES, heads, kv_heads, head_dim, dtype)
-    monkeypatch.setattr(attention, "OWN_PREFILL_KERNEL", path == "fused")
+    monkeypatch.setattr(attention, "PREFILL_KERNEL", "own" if path == "fused" else "flash")
     if path == "torch":
         meta.token_rows = None
     scale = head_dim ** -0.5
@@ -171,15 +172,29 @@ def test_flash_prefill_matches_reference_over_cached_prefix(done, new):
 needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernels are not built here")
 
 
+@pytest.fixture(params=["vectors", "amx"])
+def tiles(request):
+    """bfloat16 on AVX-512 vectors, or on AMX tiles where the kernel has them (skipped elsewhere)."""
+    amx = request.param == "amx"
+    if amx and not cpu_ops.prefill_on_amx():
+        pytest.skip("the prefill kernel runs no AMX tiles on this CPU")
+    before = cpu_ops.prefill_on_amx()
+    cpu_ops.prefill_on_amx(amx)
+    yield request.param
+    cpu_ops.prefill_on_amx(before)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
-@pytest.mark.parametrize("done,new", [(0, 200), (150, 80), (31, 65), (32, 1), (0, 33)])
-def test_prefill_kernel_matches_reference(dtype, heads, kv_heads, head_dim, done, new):
+@pytest.mark.parametrize("done,new", [(0, 200), (150, 80), (31, 65), (32, 1), (0, 33), (260, 100)])
+def test_prefill_kernel_matches_reference(dtype, heads, kv_heads, head_dim, done, new, tiles):
     """The C++ prefill kernel alone, one chunk over the cache that already holds it: fresh, after a
-    prefix, chunks and prefixes that end mid tile (its query tiles are 64 tokens, its key tiles 32),
-    a single token. Blocks outside the table and positions past the context hold NaN: a read of any
-    of them would show."""
+    prefix, chunks and prefixes that end mid tile (its query tiles are 64 tokens, its key tiles 32,
+    or 128 on AMX), a single token. Blocks outside the table and positions past the context hold NaN:
+    a read of any of them would show."""
+    if dtype == torch.float32 and tiles == "amx":
+        pytest.skip("AMX tiles multiply bfloat16 only")
     torch.manual_seed(7)
     query, key, value, cache, meta = make_step([(done, new)], heads, kv_heads, head_dim, dtype, num_decodes=0)
     span = meta.prefills[0]
@@ -285,3 +300,19 @@ def test_bidirectional_ranges_see_their_later_keys(path, window):
     else:
         actual = attention.paged_attention(query, key, value, cache, meta, 0.125, sliding_window=window)
     torch.testing.assert_close(actual, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("amx,ours_on_amx", [(False, False), (True, False), (True, True)])
+def test_long_bfloat16_chunks_go_to_torchs_flash_op_where_the_cpu_has_amx_and_ours_does_not(amx, ours_on_amx,
+                                                                                        monkeypatch):
+    """By default float32 chunks take our kernel everywhere; bfloat16 ones too, except on a CPU with
+    AMX where our kernel was built without AMX tiles (torch's op multiplies on them);
+    TRITONLLM_CPU_PREFILL_ATTENTION's own / flash override both."""
+    monkeypatch.setattr(attention.cpu_ops, "has_amx_bf16", lambda: amx)
+    monkeypatch.setattr(attention.cpu_ops, "prefill_on_amx", lambda: ours_on_amx)
+    monkeypatch.setattr(attention, "PREFILL_KERNEL", "auto")
+    assert attention.own_prefill_kernel(torch.float32)
+    assert attention.own_prefill_kernel(torch.bfloat16) is (not amx or ours_on_amx)
+    for forced in ("own", "flash"):
+        monkeypatch.setattr(attention, "PREFILL_KERNEL", forced)
+        assert attention.own_prefill_kernel(torch.bfloat16) is (forced == "own")
