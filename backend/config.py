@@ -54,7 +54,7 @@ class EngineConfig:
         "help": "servers: requests (samples, for n > 1) queued for a slot before new ones are refused "
                 "as overloaded; none: no limit (the offline LLM always queues everything)"})
     max_num_batched_tokens: int | None = field(default=None, metadata={
-        "help": "tokens computed per step (default: 512 on a CPU, 2048 on a GPU)"})
+        "help": "tokens computed per step (default: 2048; 512 for a server on a CPU)"})
     kv_cache_memory_bytes: int | None = field(default=None, metadata={
         "help": "KV cache size in bytes; default on a CPU: room for max_num_seqs sequences of "
                 "min(max_model_len, 2048) tokens, at most min(4 GiB, 1/4 of free RAM), resident from "
@@ -350,6 +350,11 @@ class EngineLimits:
 # little cost to throughput (a step's fixed cost, reading the weights once, is a few percent of a
 # 512-token prefill there); docs/benchmarks.md, "The step budget on a CPU".
 DEFAULT_STEP_TOKENS = {"cpu": 512, "cuda": 2048}
+# The offline LLM's (`LLM(...)`): its caller waits for whole batches, so a CPU step takes 2,048
+# tokens, as vLLM's LLM class takes more than its server. On an AMX host 512 cost long prompts
+# 11% of their throughput and 30% of their TTFT and short ones 7-10% (oneDNN splits the linears'
+# work badly between two threads at 384-1,024 rows); docs/benchmarks.md, "Long prompts on AMX".
+OFFLINE_STEP_TOKENS = {"cpu": 2048, "cuda": 2048}
 
 
 def max_step_tokens(config: EngineConfig, max_model_len: int, device_type: str) -> int:

@@ -123,11 +123,18 @@ def test_long_prompt_delays_decodes_by_at_most_one_chunk(model_path):
 
 
 def test_prompts_arriving_together_on_a_cpu_get_first_tokens_step_by_step(model_path):
-    """The CPU default step budget (512 tokens): eight ~180-token prompts added at once (1,400 tokens
-    of prefill) take more than one step, so the first ones stream their first token while the rest
-    are computed, instead of all eight waiting for one step; the tokens are the same as in one step."""
+    """The CPU default step budget of an engine that serves (512 tokens): eight ~180-token prompts
+    added at once (1,400 tokens of prefill) take more than one step, so the first ones stream their
+    first token while the rest are computed, instead of all eight waiting for one step; the tokens
+    are the same as in one step. The offline LLM takes 2,048 a step (its caller waits for the batch)."""
+    from backend.config import EngineConfig
+    from backend.engine.engine import LLMEngine
+
     llm = make(model_path)
-    engine = llm.llm_engine
+    assert llm.llm_engine.limits.max_num_batched_tokens == 2048
+    whole = llm.generate(workload(), GREEDY)
+    llm.llm_engine = engine = LLMEngine(EngineConfig(model=str(model_path), dtype="float32",
+                                                     kv_cache_memory_bytes=256 << 20))
     assert engine.limits.max_num_batched_tokens == 512
     for i, prompt in enumerate(workload()):
         engine.add_request(str(i), prompt, GREEDY)
@@ -139,7 +146,6 @@ def test_prompts_arriving_together_on_a_cpu_get_first_tokens_step_by_step(model_
                 first_token_step.setdefault(output.request_id, step)
     assert first_token_step["0"] == 1 and first_token_step[str(len(QUESTIONS) - 1)] > 1
     assert_all_free(llm)
-    whole = make(model_path, max_num_batched_tokens=2048).generate(workload(), GREEDY)
     assert [o.outputs[0].token_ids for o in whole] == token_ids(llm.generate(workload(), GREEDY))
 
 
