@@ -343,6 +343,7 @@ class EngineLimits:
     max_model_len: int  # prompt + output tokens of one request
     max_num_batched_tokens: int  # tokens computed per step
     sliding_window: int | None  # the window when every layer slides (KV blocks behind it are freed), else None
+    lone_prefill_tokens: int  # the most a step computing one prompt alone takes (LONE_PREFILL_TOKENS)
 
 
 # The step budget when max_num_batched_tokens is not given, with chunked prefill: on a CPU a
@@ -355,6 +356,12 @@ DEFAULT_STEP_TOKENS = {"cpu": 512, "cuda": 2048}
 # 11% of their throughput and 30% of their TTFT and short ones 7-10% (oneDNN splits the linears'
 # work badly between two threads at 384-1,024 rows); docs/benchmarks.md, "Long prompts on AMX".
 OFFLINE_STEP_TOKENS = {"cpu": 2048, "cuda": 2048}
+# Where the budget is that default, a step that computes one prompt's chunk and nothing else (no
+# decodes, no other prompts) may take up to this many: no one waits on the larger step (the queue
+# waits behind that prompt's chunks either way), and a long prompt arriving at an idle CPU server gets
+# its first token sooner: 8,000 tokens on an AMX host 4.56 s against 5.45 s in steps of 512
+# (docs/benchmarks.md, "Long prompts on AMX").
+LONE_PREFILL_TOKENS = 2048
 
 
 def max_step_tokens(config: EngineConfig, max_model_len: int, device_type: str) -> int:
@@ -385,7 +392,7 @@ def all_layers_window(hf_config: dict) -> int | None:
 
 def resolve_limits(config: EngineConfig, hf_config: dict, device_type: str) -> EngineLimits:
     """max_model_len (the config's, else the model's), the step token budget (its default
-    depends on `device_type`, "cpu" or "cuda") and the sliding
+    depends on `device_type`, "cpu" or "cuda"), a lone prompt's step and the sliding
     window of a model whose layers all slide. The attention kernels take windows, so the context
     is not capped at the window. A vision-language model's come from its decoder's `text_config`."""
     text = {**hf_config, **hf_config.get("text_config", {})}
@@ -397,4 +404,6 @@ def resolve_limits(config: EngineConfig, hf_config: dict, device_type: str) -> E
     max_batched = max_step_tokens(config, max_model_len, device_type)
     check(config.enable_chunked_prefill or max_batched >= max_model_len, "max_num_batched_tokens",
           f"{max_batched} is smaller than max_model_len ({max_model_len}) while chunked prefill is off")
-    return EngineLimits(max_model_len, max_batched, window)
+    default_budget = config.max_num_batched_tokens is None and config.enable_chunked_prefill
+    lone = max(max_batched, LONE_PREFILL_TOKENS) if default_budget else max_batched
+    return EngineLimits(max_model_len, max_batched, window, lone)

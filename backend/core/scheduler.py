@@ -1,7 +1,8 @@
 """Scheduler: decides, once per step, which requests run and how many tokens each computes.
 
 Iteration-level continuous batching in vLLM v1's form: every step spends one token budget
-(`max_num_batched_tokens`), running requests first (a decode costs one token, an unfinished prompt
+(`max_num_batched_tokens`; a step that computes one long prompt's chunk and nothing else may take
+`lone_prefill_tokens`), running requests first (a decode costs one token, an unfinished prompt
 its next chunk, a decode with speculative drafts 1 + its drafts, fewer or none when budget or
 blocks are short), then waiting requests in queue order while sequence slots, budget and free blocks
 allow. When blocks run out a victim is preempted (by priority, then recency): by recompute (its
@@ -37,13 +38,16 @@ class Scheduler:
                  enable_chunked_prefill: bool, preemption_mode: str = "recompute",
                  scheduling_policy: str = "fcfs", max_loras: int | None = None,
                  eos_token_ids: set[int] | frozenset[int] = frozenset(), max_model_len: int | None = None,
-                 keep_images_whole: bool = False) -> None:
+                 keep_images_whole: bool = False, lone_prefill_tokens: int | None = None) -> None:
         self.kv_cache = kv_cache
         self.keep_images_whole = keep_images_whole  # a chunk never ends inside an image's placeholders
         self.eos_token_ids = eos_token_ids  # what ends a request that does not ignore EOS
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # A step that computes one prompt's chunk and nothing else may take this many (config.py's
+        # LONE_PREFILL_TOKENS): nobody else is in the step to wait on it.
+        self.lone_prefill_tokens = max(lone_prefill_tokens or 0, max_num_batched_tokens)
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
         self.by_priority = scheduling_policy == "priority"
@@ -91,7 +95,8 @@ class Scheduler:
         drafts = drafts or {}
         out = SchedulerOutput()
         scheduled: dict[Request, int] = {}
-        budget = self.max_num_batched_tokens
+        lone = self._one_long_prompt_alone(drafts)
+        budget = self.lone_prefill_tokens if lone else self.max_num_batched_tokens
         for request in list(self.running):
             if budget <= 0:
                 break
@@ -127,7 +132,7 @@ class Scheduler:
         # would be re-admitted at once and preempt again.
         index = 0
         while (index < len(self.waiting) and not out.preempted and budget > 0
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) < self.max_num_seqs and not (lone and scheduled)):
             request = self.waiting[index]
             if request.grammar is not None and not request.grammar.is_ready():
                 index += 1  # still compiling: not its turn yet, and not passed over either
@@ -166,6 +171,24 @@ class Scheduler:
         out.scheduled = list(scheduled.items())
         out.offload, out.load = self.kv_cache.take_tier_moves()
         return out
+
+    def _one_long_prompt_alone(self, drafts: dict[str, list[int]]) -> bool:
+        """Whether this step computes one prompt's chunk and nothing else, a chunk the usual budget
+        would cut: the one running request is still that far from its prompt's end, or none runs
+        and the first waiting one's prompt is that long. Such a step may take `lone_prefill_tokens`."""
+        if self.lone_prefill_tokens <= self.max_num_batched_tokens or drafts or self.keep_images_whole:
+            return False
+        if self.running:
+            if len(self.running) != 1:
+                return False
+            request = self.running[0]
+        elif self.waiting:
+            request = self.waiting[0]
+            if request.status != RequestStatus.WAITING or request.grammar is not None:
+                return False
+        else:
+            return False
+        return request.num_tokens - request.num_computed_tokens > self.max_num_batched_tokens
 
     @staticmethod
     def _end_outside_images(request: Request, start: int, num_new: int) -> int:

@@ -89,7 +89,8 @@ class LLMEngine:
                                    config.enable_chunked_prefill, config.preemption_mode,
                                    config.scheduling_policy, config.max_loras if config.enable_lora else None,
                                    self.eos_token_ids, self.max_model_len,
-                                   keep_images_whole=getattr(self.runner.args.vision, "bidirectional_images", False))
+                                   keep_images_whole=getattr(self.runner.args.vision, "bidirectional_images", False),
+                                   lone_prefill_tokens=self.limits.lone_prefill_tokens)
         self.metrics = EngineMetrics(config.enable_lora, self.max_model_len)
         self.spec = None if config.speculative_config is None else SpeculativeDecoder(
             config, self.runner, self.kv_cache, self.metrics, self.max_model_len)
@@ -197,7 +198,7 @@ class LLMEngine:
                               f"prompt, {params.max_tokens} max_tokens). Shorten the prompt or max_tokens.",
                               CONTEXT_LENGTH_EXCEEDED, max_model_len=self.max_model_len,
                               prompt_tokens=num_prompt, max_tokens=params.max_tokens)
-        step = self.limits.max_num_batched_tokens if self.config.enable_chunked_prefill else None
+        step = self.limits.lone_prefill_tokens if self.config.enable_chunked_prefill else None
         needed = self.kv_cache.most_blocks_held(num_prompt + params.max_tokens, step)
         if needed > self.kv_cache.num_usable_blocks:
             raise EngineError("max_tokens", f"the request needs {needed} KV-cache blocks but only "

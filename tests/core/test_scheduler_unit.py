@@ -136,3 +136,36 @@ def test_n_samples_wait_for_the_first_to_cache_the_prompt():
     admitted = {r.request_id: n for r, n in plan.scheduled}
     assert admitted["1_p"] == admitted["2_p"] == 4  # two of the prompt's 8 tokens came from the cache
     assert samples[1].num_cached_tokens == 4
+
+
+def test_a_long_prompt_alone_takes_the_lone_step_and_shares_the_usual_one():
+    """A step that computes one long prompt's chunk and nothing else takes up to lone_prefill_tokens:
+    from the queue (the short request behind it waits, as it would behind the usual chunks) and
+    while it runs alone; once another request decodes beside it, its chunks shrink to the budget."""
+    scheduler = make_scheduler(num_blocks=64, budget=8, max_model_len=128, lone_prefill_tokens=32)
+    long_one = request("long", prompt_len=70, max_tokens=2)
+    short = Request("short", None, list(range(500, 505)), SamplingParams(max_tokens=4))  # no prefix shared
+    scheduler.add(long_one)
+    scheduler.add(short)
+    plan = scheduler.schedule()
+    assert plan.scheduled == [(long_one, 32)]  # alone: the lone step, and nobody admitted beside it
+    scheduler.update_from_output(plan, sample(plan, {}))
+    plan = scheduler.schedule()
+    assert plan.scheduled == [(long_one, 32)]  # still alone, still 38 tokens from its prompt's end
+    scheduler.update_from_output(plan, sample(plan, {}))
+    plan = scheduler.schedule()  # 6 left, under the budget: the usual step, the short one admitted beside it
+    assert plan.scheduled == [(long_one, 6), (short, 2)]
+    scheduler.update_from_output(plan, sample(plan, {"long": [5]}))
+    assert scheduler.schedule().scheduled == [(long_one, 1), (short, 3)]
+
+    scheduler = make_scheduler(num_blocks=64, budget=8, max_model_len=128, lone_prefill_tokens=32)
+    first, second = request("first", prompt_len=5, max_tokens=8), request("second", prompt_len=40)
+    scheduler.add(first)
+    scheduler.update_from_output(plan := scheduler.schedule(), sample(plan, {"first": [5]}))
+    scheduler.add(second)
+    plan = scheduler.schedule()  # `first` decodes: the long prompt gets the budget's rest
+    assert plan.scheduled == [(first, 1), (second, 7)]
+    # Without lone_prefill_tokens (a budget the user set): every step is the budget.
+    scheduler = make_scheduler(num_blocks=64, budget=8, max_model_len=128)
+    scheduler.add(request("long", prompt_len=70))
+    assert scheduler.schedule().scheduled[0][1] == 8

@@ -126,7 +126,8 @@ def test_prompts_arriving_together_on_a_cpu_get_first_tokens_step_by_step(model_
     """The CPU default step budget of an engine that serves (512 tokens): eight ~180-token prompts
     added at once (1,400 tokens of prefill) take more than one step, so the first ones stream their
     first token while the rest are computed, instead of all eight waiting for one step; the tokens
-    are the same as in one step. The offline LLM takes 2,048 a step (its caller waits for the batch)."""
+    are the same as in one step. A long prompt alone takes one step of up to 2,048 tokens, and the
+    offline LLM takes 2,048 a step (its caller waits for the batch)."""
     from backend.config import EngineConfig
     from backend.engine.engine import LLMEngine
 
@@ -147,6 +148,15 @@ def test_prompts_arriving_together_on_a_cpu_get_first_tokens_step_by_step(model_
     assert first_token_step["0"] == 1 and first_token_step[str(len(QUESTIONS) - 1)] > 1
     assert_all_free(llm)
     assert [o.outputs[0].token_ids for o in whole] == token_ids(llm.generate(workload(), GREEDY))
+    # A prompt longer than the budget arriving alone is computed in one step of up to 2,048.
+    long_prompt = " ".join(QUESTIONS) * 14  # nothing of it in the prefix cache
+    assert len(engine.tokenizer(long_prompt).input_ids) > 700
+    engine.add_request("long", long_prompt, GREEDY)
+    [output] = engine.step()
+    assert output.outputs[0].token_ids, "the whole prompt in the first step"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_free(llm)
 
 
 def test_priority_policy_runs_urgent_requests_first(model_path):
