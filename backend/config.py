@@ -343,7 +343,7 @@ class EngineLimits:
     max_model_len: int  # prompt + output tokens of one request
     max_num_batched_tokens: int  # tokens computed per step
     sliding_window: int | None  # the window when every layer slides (KV blocks behind it are freed), else None
-    lone_prefill_tokens: int  # the most a step computing one prompt alone takes (LONE_PREFILL_TOKENS)
+    lone_prefill_tokens: int  # the most a step computing one prompt alone takes (LARGE_STEP_TOKENS)
 
 
 # The step budget when max_num_batched_tokens is not given, with chunked prefill: on a CPU a
@@ -351,17 +351,15 @@ class EngineLimits:
 # little cost to throughput (a step's fixed cost, reading the weights once, is a few percent of a
 # 512-token prefill there); docs/benchmarks.md, "The step budget on a CPU".
 DEFAULT_STEP_TOKENS = {"cpu": 512, "cuda": 2048}
-# The offline LLM's (`LLM(...)`): its caller waits for whole batches, so a CPU step takes 2,048
-# tokens, as vLLM's LLM class takes more than its server. On an AMX host 512 cost long prompts
-# 11% of their throughput and 30% of their TTFT and short ones 7-10% (oneDNN splits the linears'
-# work badly between two threads at 384-1,024 rows); docs/benchmarks.md, "Long prompts on AMX".
-OFFLINE_STEP_TOKENS = {"cpu": 2048, "cuda": 2048}
-# Where the budget is that default, a step that computes one prompt's chunk and nothing else (no
-# decodes, no other prompts) may take up to this many: no one waits on the larger step (the queue
-# waits behind that prompt's chunks either way), and a long prompt arriving at an idle CPU server gets
-# its first token sooner: 8,000 tokens on an AMX host 4.56 s against 5.45 s in steps of 512
-# (docs/benchmarks.md, "Long prompts on AMX").
-LONE_PREFILL_TOKENS = 2048
+# A step whose size no one's first token waits on takes up to this many: every step of the offline
+# LLM (`LLM(...)`, whose caller waits for whole batches; vLLM's LLM class too takes more than its
+# server), and, where the budget is the default, a server's step that computes one prompt's chunk
+# and nothing else (no decodes, no other prompts: the queue waits behind that prompt's chunks either
+# way). On an AMX host 512 a step cost long prompts offline 11% of their throughput and 30% of their
+# TTFT, short ones 7-10% (oneDNN splits the linears' work badly between two threads at 384-1,024
+# rows), and a lone 8,000-token prompt 5.45 against 4.56 s to its first token; 4,096 gained nothing
+# more (docs/benchmarks.md, "Long prompts on AMX"). On a GPU it is the default step.
+LARGE_STEP_TOKENS = 2048
 
 
 def max_step_tokens(config: EngineConfig, max_model_len: int, device_type: str) -> int:
@@ -405,5 +403,5 @@ def resolve_limits(config: EngineConfig, hf_config: dict, device_type: str) -> E
     check(config.enable_chunked_prefill or max_batched >= max_model_len, "max_num_batched_tokens",
           f"{max_batched} is smaller than max_model_len ({max_model_len}) while chunked prefill is off")
     default_budget = config.max_num_batched_tokens is None and config.enable_chunked_prefill
-    lone = max(max_batched, LONE_PREFILL_TOKENS) if default_budget else max_batched
+    lone = max(max_batched, LARGE_STEP_TOKENS) if default_budget else max_batched
     return EngineLimits(max_model_len, max_batched, window, lone)

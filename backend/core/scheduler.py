@@ -46,7 +46,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # A step that computes one prompt's chunk and nothing else may take this many (config.py's
-        # LONE_PREFILL_TOKENS): nobody else is in the step to wait on it.
+        # LARGE_STEP_TOKENS): nobody else is in the step to wait on it.
         self.lone_prefill_tokens = max(lone_prefill_tokens or 0, max_num_batched_tokens)
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
@@ -95,7 +95,7 @@ class Scheduler:
         drafts = drafts or {}
         out = SchedulerOutput()
         scheduled: dict[Request, int] = {}
-        lone = self._one_long_prompt_alone(drafts)
+        lone = self._one_long_prompt_alone()
         budget = self.lone_prefill_tokens if lone else self.max_num_batched_tokens
         for request in list(self.running):
             if budget <= 0:
@@ -172,19 +172,19 @@ class Scheduler:
         out.offload, out.load = self.kv_cache.take_tier_moves()
         return out
 
-    def _one_long_prompt_alone(self, drafts: dict[str, list[int]]) -> bool:
+    def _one_long_prompt_alone(self) -> bool:
         """Whether this step computes one prompt's chunk and nothing else, a chunk the usual budget
-        would cut: the one running request is still that far from its prompt's end, or none runs
-        and the first waiting one's prompt is that long. Such a step may take `lone_prefill_tokens`."""
-        if self.lone_prefill_tokens <= self.max_num_batched_tokens or drafts or self.keep_images_whole:
+        would cut: the one running request is still that far from its prompt's end (a decode, drafts
+        or not, is never that far), or none runs and the first waiting one's prompt is that long (and
+        not waiting on its grammar: then others would be admitted). Such a step may take
+        `lone_prefill_tokens`."""
+        if self.lone_prefill_tokens <= self.max_num_batched_tokens or len(self.running) > 1:
             return False
         if self.running:
-            if len(self.running) != 1:
-                return False
             request = self.running[0]
         elif self.waiting:
             request = self.waiting[0]
-            if request.status != RequestStatus.WAITING or request.grammar is not None:
+            if request.grammar is not None and not request.grammar.is_ready():
                 return False
         else:
             return False

@@ -6,14 +6,13 @@ import itertools
 from typing import Any, Sequence
 
 from backend.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates_of, check_fits, step_params
-from backend.config import OFFLINE_STEP_TOKENS, EngineConfig
+from backend.config import LARGE_STEP_TOKENS, EngineConfig
 from backend.engine.chat_images import chat_images
 from backend.engine.engine import LLMEngine
 from backend.errors import EngineError
 from backend.lora import LoRARequest
 from backend.outputs import RequestOutput
 from backend.sampling_params import RequestOutputKind, SamplingParams
-from backend.worker.model_loader import resolve_device
 
 Prompt = str | list[int] | dict  # text, token ids, or vLLM's dict (with multi_modal_data)
 
@@ -26,7 +25,7 @@ class LLM:
             model = str(prepare_model())
         config = EngineConfig.from_dict({"model": model, **kwargs})
         if config.max_num_batched_tokens is None and config.enable_chunked_prefill:
-            config.max_num_batched_tokens = OFFLINE_STEP_TOKENS[resolve_device(config).type]
+            config.max_num_batched_tokens = LARGE_STEP_TOKENS
         self.llm_engine = LLMEngine(config)
         self._request_counter = itertools.count()
 
