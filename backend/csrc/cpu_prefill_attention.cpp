@@ -48,28 +48,57 @@ namespace {
 
 constexpr int64_t kQueryTile = 64;  // query tokens an item takes: G x 64 lanes, whole groups of 4 vectors
 constexpr int64_t kKeyTile = 32;    // keys scored, then weighed, at a time (even: bfloat16 pairs them)
-constexpr int64_t kAmxKeyTile = 128;  // the same on AMX tiles: 4 blocks of 16 keys, 2 tiles of 32 weights
+constexpr int64_t kAmxKeyTile = 128;  // the same on AMX tiles at most: 8 blocks of 16 keys, 4 tiles of 32 weights
+// ...and at head size D: 16 KiB of keys and as much of values (then, with the scores, weights and the
+// queries, the tile stays in L1; 128 keys at D = 128 spilled to L2, 5% slower).
+template <int D>
+constexpr int64_t kAmxKeys = std::min<int64_t>(kAmxKeyTile, 8192 / D);
 constexpr int64_t kAmxQueryTile = 64;  // query tokens an AMX item takes: its buffers then stay in L1
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kMaxSlack = 8.f;  // log2 units: weights up to 2^8 before the running max moves
 
-// 2^x on each lane: 2^n * 2^f with n = round(x), |f| <= 1/2, and a degree-5 polynomial for 2^f
-// (fitted here for relative error: at most 2.4e-7 in float32, tests/ops/test_prefill_attention.py
-// measures it); 0 below 2^-125 (masked scores are -inf).
+// 2^x on each lane: 2^n * 2^f with an integer n and a polynomial for 2^f (fitted here for relative
+// error); 0 below 2^-125 (masked scores are -inf). Degree 5 for float32 (at most 1.6e-7 on AVX-512,
+// 2.4e-7 elsewhere: tests/ops/test_prefill_attention.py measures it), 3 where the weights are rounded
+// to bfloat16 next (7.5e-5, under a fiftieth of that rounding; AVX512-BF16 only).
+template <int Degree = 5>
 __attribute__((always_inline)) inline vfloat exp2_lanes(vfloat x) {
 #if defined(__AVX512F__)
-  // n rounded by vrndscaleps, 2^n applied by vscalefps, the lanes below -125 zeroed by its mask: the
-  // same numbers in fewer instructions (NaN stays NaN: max_ps returns its second operand).
+  static_assert(Degree == 5 || Degree == 3);
+  // n = floor(x), f = x - n in [0, 1): vreducps takes f in one instruction, and vscalefps floors its
+  // exponent operand itself; the lanes below -125 are zeroed by its mask (NaN stays NaN: max_ps
+  // returns its second operand).
   const __mmask16 live = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
   // (The masked forms, all lanes kept: GCC 12 warns of the plain forms' undefined pass-through.)
   x = (vfloat)_mm512_mask_max_ps((__m512)x, 0xffff, _mm512_set1_ps(-125.f), (__m512)x);
-  const vfloat n =
-      (vfloat)_mm512_mask_roundscale_ps((__m512)x, 0xffff, (__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#if defined(__AVX512DQ__)
+  const vfloat f =
+      (vfloat)_mm512_mask_reduce_ps((__m512)x, 0xffff, (__m512)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
 #else
+  const vfloat f =
+      x - (vfloat)_mm512_mask_roundscale_ps((__m512)x, 0xffff, (__m512)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#endif
+  vfloat p;
+  if constexpr (Degree == 5) {
+    p = splat(1.8775678e-3f);
+    p = p * f + 8.9893416e-3f;
+    p = p * f + 5.5826340e-2f;
+    p = p * f + 2.4015360e-1f;
+    p = p * f + 6.9315308e-1f;
+    p = p * f + 9.9999994e-1f;
+  } else {
+    p = splat(7.8023434e-2f);
+    p = p * f + 2.2606651e-1f;
+    p = p * f + 6.9583499e-1f;
+    p = p * f + 9.9992496e-1f;
+  }
+  return (vfloat)_mm512_maskz_scalef_ps(live, (__m512)p, (__m512)x);
+#else
+  static_assert(Degree == 5, "the bfloat16 pairs (degree 3) imply AVX-512");
+  // n = round(x), |f| <= 1/2.
   const vint underflow = x < -125.f;
   x = underflow ? splat(-125.f) : x;
   const vfloat n = (x + 12582912.f) - 12582912.f;  // 1.5 * 2^23: rounds to the nearest integer
-#endif
   const vfloat f = x - n;
   vfloat p = splat(1.3276471291e-3f);
   p = p * f + 9.6755409613e-3f;
@@ -77,9 +106,6 @@ __attribute__((always_inline)) inline vfloat exp2_lanes(vfloat x) {
   p = p * f + 2.4022120237e-1f;
   p = p * f + 6.9314694405e-1f;
   p = p * f + 1.0000001192e+0f;
-#if defined(__AVX512F__)
-  return (vfloat)_mm512_maskz_scalef_ps(live, (__m512)p, (__m512)n);
-#else
   const vint exponent = (__builtin_convertvector(n, vint) + 127) << 23;
   vfloat power;
   std::memcpy(&power, &exponent, sizeof power);
@@ -277,70 +303,86 @@ __attribute__((always_inline)) inline vuint bits_of(vfloat v) {
   return u;
 }
 
-// The online softmax over a tile's scores (log2 units): the running max moves where the tile passes
-// it by more than kMaxSlack (the output and sum scaled down to the new max), then each score's
-// weight 2^(score - max) joins the sum. Pairs: the weights rounded to bfloat16, two keys' in 32 bits.
-// Scaled: the scores are plain dot products (AMX's), each multiplied by `scale` as it is read.
+// The online softmax over a tile's scores (log2 units) for one vector of lanes: the running max moves
+// where the tile passes it by more than kMaxSlack (the output and sum scaled down to the new max), then
+// each score's weight 2^(score - max) joins the sum. Scores and weights are rows `stride` floats apart
+// (one per key, or per pair of keys), the output rows `output_stride`; every pointer is at the lanes'.
+// Pairs: the weights rounded to bfloat16, two keys' in 32 bits. Scaled: the scores are plain dot
+// products (AMX's), each multiplied by `scale` as it is read.
 template <bool Pairs, bool Scaled = false>
-__attribute__((optimize("fp-contract=fast")))
-void tile_softmax(float* weights, const float* scores, float* max, float* sum, float* output, int64_t lanes,
-                  int64_t dim, int64_t count, float scale = 1.f) {
+__attribute__((optimize("fp-contract=fast"), always_inline))
+inline void softmax_lanes(float* weights, const float* scores, int64_t stride, float* max, float* sum, float* output,
+                          int64_t output_stride, int64_t dim, int64_t count, float scale) {
   // Scaled: the max is taken of the plain scores (scale > 0) and each weight is 2^(s * scale - max), one FMA.
   const vfloat factor = splat(Scaled ? scale : 1.f);
-  const auto weight = [&](int64_t k, int64_t j, vfloat running_max) {
-    const vfloat s = load(scores + k * lanes + j);
-    return exp2_lanes(Scaled ? s * factor - running_max : s - running_max);
+  const auto weight = [&](int64_t k, vfloat running_max) {
+    const vfloat s = load(scores + k * stride);
+    return exp2_lanes<Pairs ? 3 : 5>(Scaled ? s * factor - running_max : s - running_max);
   };
-  for (int64_t j = 0; j < lanes; j += kLanes) {
-    vfloat tile_max = splat(-INFINITY);
-    for (int64_t k = 0; k < count; ++k) {
-      const vfloat s = load(scores + k * lanes + j);
-      tile_max = s > tile_max ? s : tile_max;
+  // Four running maxima: one would make a chain of dependent max instructions, one a key.
+  vfloat maxima[4] = {splat(-INFINITY), splat(-INFINITY), splat(-INFINITY), splat(-INFINITY)};
+  int64_t k = 0;
+  for (; k + 4 <= count; k += 4)
+    for (int i = 0; i < 4; ++i) {
+      const vfloat s = load(scores + (k + i) * stride);
+      maxima[i] = s > maxima[i] ? s : maxima[i];
     }
-    if constexpr (Scaled) tile_max *= factor;
-    vfloat running_max = load(max + j), total = load(sum + j);
-    if (any_lane(tile_max > running_max + kMaxSlack)) {
-      const vfloat new_max = tile_max > running_max ? tile_max : running_max;
-      const vfloat correction = exp2_lanes(running_max - new_max);
-      total *= correction;
-      for (int64_t d = 0; d < dim; ++d) store(output + d * lanes + j, load(output + d * lanes + j) * correction);
-      running_max = new_max;
-      store(max + j, running_max);
-    }
-    if constexpr (Pairs) {
-      uint32_t* pairs = reinterpret_cast<uint32_t*>(weights);
-      for (int64_t k = 0; k < count; k += 2) {
-        const vfloat first = weight(k, j, running_max);
-        const vfloat second = k + 1 < count ? weight(k + 1, j, running_max) : splat(0.f);
-#if defined(__AVX512BF16__)
-        // Both rounded to bfloat16 in one instruction ([first's 16 | second's 16]), then interleaved.
-        const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                    23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)second, (__m512)first);
-        const __m512i pair_bits = _mm512_permutexvar_epi16(interleave, both);
-        vuint pair;
-        std::memcpy(&pair, &pair_bits, sizeof pair);
-        const vuint first_bits = pair << 16, second_bits = pair & 0xffff0000u;
-        vfloat first_rounded, second_rounded;
-        std::memcpy(&first_rounded, &first_bits, sizeof first_rounded);
-        std::memcpy(&second_rounded, &second_bits, sizeof second_rounded);
-        total += first_rounded + second_rounded;
-#else
-        const vfloat first_rounded = round_to<bf16>(first), second_rounded = round_to<bf16>(second);
-        total += first_rounded + second_rounded;
-        const vuint pair = (bits_of(first_rounded) >> 16) | (bits_of(second_rounded) & 0xffff0000u);
-#endif
-        std::memcpy(pairs + k / 2 * lanes + j, &pair, sizeof pair);
-      }
-    } else {
-      for (int64_t k = 0; k < count; ++k) {
-        const vfloat w = weight(k, j, running_max);
-        total += w;
-        store(weights + k * lanes + j, w);
-      }
-    }
-    store(sum + j, total);
+  for (; k < count; ++k) {
+    const vfloat s = load(scores + k * stride);
+    maxima[0] = s > maxima[0] ? s : maxima[0];
   }
+  maxima[0] = maxima[0] > maxima[1] ? maxima[0] : maxima[1];
+  maxima[2] = maxima[2] > maxima[3] ? maxima[2] : maxima[3];
+  vfloat tile_max = maxima[0] > maxima[2] ? maxima[0] : maxima[2];
+  if constexpr (Scaled) tile_max *= factor;
+  vfloat running_max = load(max), total = load(sum);
+  if (any_lane(tile_max > running_max + kMaxSlack)) {
+    const vfloat new_max = tile_max > running_max ? tile_max : running_max;
+    const vfloat correction = exp2_lanes(running_max - new_max);
+    total *= correction;
+    for (int64_t d = 0; d < dim; ++d) store(output + d * output_stride, load(output + d * output_stride) * correction);
+    running_max = new_max;
+    store(max, running_max);
+  }
+  if constexpr (Pairs) {
+    uint32_t* pairs = reinterpret_cast<uint32_t*>(weights);
+    for (int64_t k = 0; k < count; k += 2) {
+      const vfloat first = weight(k, running_max);
+      const vfloat second = k + 1 < count ? weight(k + 1, running_max) : splat(0.f);
+#if defined(__AVX512BF16__)
+      // Both rounded to bfloat16 in one instruction ([first's 16 | second's 16]), then interleaved. The
+      // sum takes them unrounded, as torch's flash attention does (unpacking the rounded ones took 3 more
+      // instructions a pair).
+      const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                  23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)second, (__m512)first);
+      const __m512i pair_bits = _mm512_permutexvar_epi16(interleave, both);
+      vuint pair;
+      std::memcpy(&pair, &pair_bits, sizeof pair);
+      total += first + second;
+#else
+      const vfloat first_rounded = round_to<bf16>(first), second_rounded = round_to<bf16>(second);
+      total += first_rounded + second_rounded;
+      const vuint pair = (bits_of(first_rounded) >> 16) | (bits_of(second_rounded) & 0xffff0000u);
+#endif
+      std::memcpy(pairs + k / 2 * stride, &pair, sizeof pair);
+    }
+  } else {
+    for (int64_t k = 0; k < count; ++k) {
+      const vfloat w = weight(k, running_max);
+      total += w;
+      store(weights + k * stride, w);
+    }
+  }
+  store(sum, total);
+}
+
+// softmax_lanes for every vector of a tile's lanes: scores and weights [key][lane], output [dim][lane].
+template <bool Pairs>
+void tile_softmax(float* weights, const float* scores, float* max, float* sum, float* output, int64_t lanes,
+                  int64_t dim, int64_t count) {
+  for (int64_t j = 0; j < lanes; j += kLanes)
+    softmax_lanes<Pairs>(weights + j, scores + j, lanes, max + j, sum + j, output + j, lanes, dim, count, 1.f);
 }
 
 #if defined(TRITONLLM_AMX)
@@ -384,99 +426,104 @@ void configure_tiles() {
 // TDPBF16PS never wait on each other's result (each takes several times its issue interval), with the
 // A operands alternating between tiles 0 and 1 and the B operands between 2 and 3.
 
-// scores[k][lane] = keys[k] . q[lane] for the tile's kAmxKeyTile keys, 64 at a time (unscaled; rows
-// past the tile's keys are left as they come out); queries [D / 2][lane] in pairs, keys [k][D] bfloat16.
+// One vector's worth of lanes (16) at a time, scores, softmax and output in turn, so that the scores
+// and weights between them stay in L1 (a whole tile's, 128 keys x G x 64 lanes, passed through L2).
+
+// scores[k][16 lanes] = keys[k] . q[lane] for the tile's kAmxKeys<D> keys, 64 at a time (unscaled;
+// rows past the tile's keys are left as they come out); queries [D / 2][lane] in pairs (rows `lanes`
+// apart, at the 16 lanes' first), keys in groups of 16 rows [16][D] bfloat16.
 template <int D>
-void amx_tile_scores(float* scores, const uint32_t* queries, const bf16* keys, int64_t lanes) {
-  static_assert((D == 64 || D == 128) && kAmxKeyTile % 64 == 0);
+void amx_lane_scores(float* scores, const uint32_t* queries, const bf16* const* key_groups, int64_t lanes) {
+  static_assert((D == 64 || D == 128) && kAmxKeys<D> % 64 == 0);
   const int64_t stride = lanes * 4;
-  for (int64_t k0 = 0; k0 < kAmxKeyTile; k0 += 64)
-    for (int64_t j = 0; j < lanes; j += 16) {
-      float* out = scores + k0 * lanes + j;
-      _tile_zero(4);
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_zero(7);
-      for (int c = 0; c < D / 32; c += 2) {  // 32 dims a step: A [16 keys][32 dims], B [16 dim pairs][16 lanes]
-        const bf16* key = keys + k0 * D + c * 32;
-        _tile_loadd(2, queries + c * 16 * lanes + j, stride);
-        _tile_loadd(0, key, D * 2);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_loadd(1, key + 16 * D, D * 2);
-        _tile_dpbf16ps(5, 1, 2);
-        _tile_loadd(0, key + 32 * D, D * 2);
-        _tile_dpbf16ps(6, 0, 2);
-        _tile_loadd(1, key + 48 * D, D * 2);
-        _tile_dpbf16ps(7, 1, 2);
-        _tile_loadd(3, queries + (c + 1) * 16 * lanes + j, stride);
-        _tile_loadd(0, key + 32, D * 2);
-        _tile_dpbf16ps(4, 0, 3);
-        _tile_loadd(1, key + 16 * D + 32, D * 2);
-        _tile_dpbf16ps(5, 1, 3);
-        _tile_loadd(0, key + 32 * D + 32, D * 2);
-        _tile_dpbf16ps(6, 0, 3);
-        _tile_loadd(1, key + 48 * D + 32, D * 2);
-        _tile_dpbf16ps(7, 1, 3);
-      }
-      _tile_stored(4, out, stride);
-      _tile_stored(5, out + 16 * lanes, stride);
-      _tile_stored(6, out + 32 * lanes, stride);
-      _tile_stored(7, out + 48 * lanes, stride);
+  constexpr int64_t kOut = 16 * 4;  // bytes
+  for (int64_t k0 = 0; k0 < kAmxKeys<D>; k0 += 64) {
+    float* out = scores + k0 * 16;
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int c = 0; c < D / 32; c += 2) {  // 32 dims a step: A [16 keys][32 dims], B [16 dim pairs][16 lanes]
+      const bf16* const* group = key_groups + k0 / 16;
+      const int dims = c * 32;
+      _tile_loadd(2, queries + c * 16 * lanes, stride);
+      _tile_loadd(0, group[0] + dims, D * 2);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_loadd(1, group[1] + dims, D * 2);
+      _tile_dpbf16ps(5, 1, 2);
+      _tile_loadd(0, group[2] + dims, D * 2);
+      _tile_dpbf16ps(6, 0, 2);
+      _tile_loadd(1, group[3] + dims, D * 2);
+      _tile_dpbf16ps(7, 1, 2);
+      _tile_loadd(3, queries + (c + 1) * 16 * lanes, stride);
+      _tile_loadd(0, group[0] + dims + 32, D * 2);
+      _tile_dpbf16ps(4, 0, 3);
+      _tile_loadd(1, group[1] + dims + 32, D * 2);
+      _tile_dpbf16ps(5, 1, 3);
+      _tile_loadd(0, group[2] + dims + 32, D * 2);
+      _tile_dpbf16ps(6, 0, 3);
+      _tile_loadd(1, group[3] + dims + 32, D * 2);
+      _tile_dpbf16ps(7, 1, 3);
     }
+    _tile_stored(4, out, kOut);
+    _tile_stored(5, out + 16 * 16, kOut);
+    _tile_stored(6, out + 32 * 16, kOut);
+    _tile_stored(7, out + 48 * 16, kOut);
+  }
 }
 
-// output[d][lane] += sum over the tile's kAmxKeyTile keys k of values_t[d][k] * weights[k][lane];
-// values_t [D][kAmxKeyTile] bfloat16, weights [k / 2][lane] in pairs (zeros past the tile's keys).
-// Each accumulator is loaded and stored once a tile and takes kAmxKeyTile / 32 products.
+// output[d][lane] += sum over the tile's kAmxKeys<D> keys k of values_t[d][k] * weights[k][lane] for
+// 16 lanes (output rows `lanes` apart, at the lanes' first); values_t [D][kAmxKeys<D>] bfloat16,
+// weights [k / 2][16 lanes] in pairs (zeros past the tile's keys). Each accumulator is loaded and
+// stored once a tile and takes kAmxKeys<D> / 32 products.
 template <int D>
-void amx_tile_output(float* output, const uint32_t* weights, const bf16* values_t, int64_t lanes) {
+void amx_lane_output(float* output, const uint32_t* weights, const bf16* values_t, int64_t lanes) {
   const int64_t stride = lanes * 4;
-  constexpr int64_t kRow = kAmxKeyTile * 2;  // bytes
-  for (int d = 0; d < D; d += 64)
-    for (int64_t j = 0; j < lanes; j += 16) {
-      float* out = output + d * lanes + j;
-      _tile_loadd(4, out, stride);
-      _tile_loadd(5, out + 16 * lanes, stride);
-      _tile_loadd(6, out + 32 * lanes, stride);
-      _tile_loadd(7, out + 48 * lanes, stride);
-      for (int64_t k = 0; k < kAmxKeyTile; k += 64) {
-        const bf16* value = values_t + d * kAmxKeyTile + k;
-        _tile_loadd(2, weights + k / 2 * lanes + j, stride);  // 32 keys: A [16 dims][32 keys], B [16 key pairs][16 lanes]
-        _tile_loadd(0, value, kRow);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_loadd(1, value + 16 * kAmxKeyTile, kRow);
-        _tile_dpbf16ps(5, 1, 2);
-        _tile_loadd(0, value + 32 * kAmxKeyTile, kRow);
-        _tile_dpbf16ps(6, 0, 2);
-        _tile_loadd(1, value + 48 * kAmxKeyTile, kRow);
-        _tile_dpbf16ps(7, 1, 2);
-        _tile_loadd(3, weights + (k / 2 + 16) * lanes + j, stride);  // the next 32
-        _tile_loadd(0, value + 32, kRow);
-        _tile_dpbf16ps(4, 0, 3);
-        _tile_loadd(1, value + 16 * kAmxKeyTile + 32, kRow);
-        _tile_dpbf16ps(5, 1, 3);
-        _tile_loadd(0, value + 32 * kAmxKeyTile + 32, kRow);
-        _tile_dpbf16ps(6, 0, 3);
-        _tile_loadd(1, value + 48 * kAmxKeyTile + 32, kRow);
-        _tile_dpbf16ps(7, 1, 3);
-      }
-      _tile_stored(4, out, stride);
-      _tile_stored(5, out + 16 * lanes, stride);
-      _tile_stored(6, out + 32 * lanes, stride);
-      _tile_stored(7, out + 48 * lanes, stride);
+  constexpr int64_t kRow = kAmxKeys<D> * 2, kWeights = 16 * 4;  // bytes
+  for (int d = 0; d < D; d += 64) {
+    float* out = output + d * lanes;
+    _tile_loadd(4, out, stride);
+    _tile_loadd(5, out + 16 * lanes, stride);
+    _tile_loadd(6, out + 32 * lanes, stride);
+    _tile_loadd(7, out + 48 * lanes, stride);
+    for (int64_t k = 0; k < kAmxKeys<D>; k += 64) {
+      const bf16* value = values_t + d * kAmxKeys<D> + k;
+      _tile_loadd(2, weights + k / 2 * 16, kWeights);  // 32 keys: A [16 dims][32 keys], B [16 key pairs][16 lanes]
+      _tile_loadd(0, value, kRow);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_loadd(1, value + 16 * kAmxKeys<D>, kRow);
+      _tile_dpbf16ps(5, 1, 2);
+      _tile_loadd(0, value + 32 * kAmxKeys<D>, kRow);
+      _tile_dpbf16ps(6, 0, 2);
+      _tile_loadd(1, value + 48 * kAmxKeys<D>, kRow);
+      _tile_dpbf16ps(7, 1, 2);
+      _tile_loadd(3, weights + (k / 2 + 16) * 16, kWeights);  // the next 32
+      _tile_loadd(0, value + 32, kRow);
+      _tile_dpbf16ps(4, 0, 3);
+      _tile_loadd(1, value + 16 * kAmxKeys<D> + 32, kRow);
+      _tile_dpbf16ps(5, 1, 3);
+      _tile_loadd(0, value + 32 * kAmxKeys<D> + 32, kRow);
+      _tile_dpbf16ps(6, 0, 3);
+      _tile_loadd(1, value + 48 * kAmxKeys<D> + 32, kRow);
+      _tile_dpbf16ps(7, 1, 3);
     }
+    _tile_stored(4, out, stride);
+    _tile_stored(5, out + 16 * lanes, stride);
+    _tile_stored(6, out + 32 * lanes, stride);
+    _tile_stored(7, out + 48 * lanes, stride);
+  }
 }
 
-// values_t [D][kAmxKeyTile] from value rows [k][D], for the first `keys` rows (whole 32s: the rows
-// past the tile's keys are zeros). 16 x 16 blocks of 32-bit pairs of dims are transposed in registers,
-// then each row of pairs splits into its two dims' rows.
+// values_t [D][kAmxKeys<D>] from the tile's groups of 16 value rows [16][D]. 16 x 16 blocks of
+// 32-bit pairs of dims are transposed in registers, then each row of pairs splits into its two dims' rows.
 template <int D>
-void transpose_values(bf16* values_t, const bf16* rows, int64_t keys) {
-  for (int64_t k0 = 0; k0 < keys; k0 += 16)
+void transpose_values(bf16* values_t, const bf16* const* value_groups) {
+  for (int64_t k0 = 0; k0 < kAmxKeys<D>; k0 += 16)
     for (int d0 = 0; d0 < D; d0 += 32) {
       // (Written as GCC vector shuffles: the intrinsics' undefined pass-through draws GCC 12 warnings.)
+      const bf16* rows = value_groups[k0 / 16];
       vuint r[16], t[16];
-      for (int i = 0; i < 16; ++i) std::memcpy(&r[i], rows + (k0 + i) * D + d0, sizeof r[i]);  // 16 pairs of dims
+      for (int i = 0; i < 16; ++i) std::memcpy(&r[i], rows + i * D + d0, sizeof r[i]);  // 16 pairs of dims
       for (int i = 0; i < 16; i += 2) {  // 32-bit unpacks within each 128-bit lane
         t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
         t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
@@ -505,8 +552,8 @@ void transpose_values(bf16* values_t, const bf16* rows, int64_t keys) {
         const int pair = (x & 12) | (x & 1) << 1 | (x >> 1 & 1);
         const vhalf low = __builtin_convertvector(r[x], vhalf);
         const vhalf high = __builtin_convertvector(r[x] >> 16, vhalf);
-        std::memcpy(values_t + (d0 + 2 * pair) * kAmxKeyTile + k0, &low, sizeof low);
-        std::memcpy(values_t + (d0 + 2 * pair + 1) * kAmxKeyTile + k0, &high, sizeof high);
+        std::memcpy(values_t + (d0 + 2 * pair) * kAmxKeys<D> + k0, &low, sizeof low);
+        std::memcpy(values_t + (d0 + 2 * pair + 1) * kAmxKeys<D> + k0, &high, sizeof high);
       }
     }
 }
@@ -525,15 +572,97 @@ struct Chunk {
   float scale, value_scale;  // scale: log2 units, and an 8-bit cache's key factor
 };
 
+// The causal mask on one vector of lanes: the scores (rows `stride` apart, one a key from `start`)
+// of keys past each lane's position (the first lane's `position`, the next lanes' one after another)
+// set to -inf.
+inline void mask_lanes(float* scores, int64_t stride, int64_t position, int64_t start, int64_t keys) {
+  vint lane_position;
+  for (int i = 0; i < kLanes; ++i) lane_position[i] = int32_t(position) + i;
+  for (int64_t k = 0; k < keys; ++k) {
+    const vfloat s = load(scores + k * stride);
+    store(scores + k * stride, int32_t(start + k) > lane_position ? splat(-INFINITY) : s);
+  }
+}
+
+#if defined(TRITONLLM_AMX)
+// attend_item's key tiles on AMX, kAmxKeys<D> keys at a time, and within a tile 16 lanes at a time
+// (the scores, their softmax, the output), so that the scores and weights stay in L1 between them.
+// A tile's 16-key groups are read where they lie: a block's rows, for a bfloat16 cache in blocks of
+// whole 16s (AMX loads 16 rows at any stride); a copy (widened from 8 bits, zeros past the chunk's
+// keys) otherwise. The queries, output, running max and sum are the item's, in `scratch`.
+template <typename C, int D>
+__attribute__((optimize("fp-contract=fast")))
+void amx_tiles(const Chunk<bf16, C>& chunk, int64_t kv_head, int64_t first_position, int64_t end, int64_t lanes,
+               Scratch& scratch) {
+  constexpr int64_t kGroups = kAmxKeys<D> / 16;
+  const C* key_cache = chunk.cache + kv_head * chunk.head_cache;
+  const C* value_cache = chunk.cache + (chunk.kv_heads + kv_head) * chunk.head_cache;
+  const bool in_place = std::is_same_v<C, bf16> && chunk.block_size % 16 == 0;
+  const uint32_t* query_pairs = reinterpret_cast<const uint32_t*>(scratch.queries.data());
+  float* output = scratch.output.data();
+  float* scores = scratch.scores.data();  // [k][16 lanes]
+  bf16* keys = reinterpret_cast<bf16*>(scratch.keys.data());
+  bf16* value_rows = reinterpret_cast<bf16*>(scratch.value_rows.data());
+  bf16* values_t = reinterpret_cast<bf16*>(scratch.values.data());
+  uint32_t* weights = reinterpret_cast<uint32_t*>(scratch.weights.data());  // [k / 2][16 lanes]
+  for (int64_t start = 0; start < end; start += kAmxKeys<D>) {
+    const int64_t keys_here = std::min(kAmxKeys<D>, end - start);
+    const bf16 *key_groups[kGroups], *value_groups[kGroups];
+    for (int64_t g = 0; g < kGroups; ++g) {
+      const int64_t first_key = start + g * 16;
+      if (in_place && first_key + 16 <= end) {
+        const int64_t row = row_of(chunk.table, first_key, chunk.block_size) * D;
+        key_groups[g] = reinterpret_cast<const bf16*>(key_cache + row);
+        value_groups[g] = reinterpret_cast<const bf16*>(value_cache + row);
+        continue;
+      }
+      bf16* group_keys = keys + g * 16 * D;
+      bf16* group_values = value_rows + g * 16 * D;
+      const int64_t rows = std::clamp<int64_t>(end - first_key, 0, 16);
+      for (int64_t k = 0; k < rows; ++k) {
+        const int64_t row = row_of(chunk.table, first_key + k, chunk.block_size) * D;
+        convert_row(group_keys + k * D, key_cache + row, D);
+        convert_row(group_values + k * D, value_cache + row, D);
+      }
+      std::fill(group_keys + rows * D, group_keys + 16 * D, bf16{});
+      std::fill(group_values + rows * D, group_values + 16 * D, bf16{});
+      key_groups[g] = group_keys;
+      value_groups[g] = group_values;
+    }
+    if (in_place)  // the next tile's rows into L2 meanwhile: read in place, they would otherwise come from L3 on demand
+      for (int64_t first_key = start + kAmxKeys<D>; first_key < std::min(end, start + 2 * kAmxKeys<D>);
+           first_key += 16) {
+        const int64_t row = row_of(chunk.table, first_key, chunk.block_size) * D;
+        const char* key_bytes = reinterpret_cast<const char*>(key_cache + row);
+        const char* value_bytes = reinterpret_cast<const char*>(value_cache + row);
+        for (int64_t line = 0; line < 16 * D * 2; line += 64) {
+          _mm_prefetch(key_bytes + line, _MM_HINT_T1);
+          _mm_prefetch(value_bytes + line, _MM_HINT_T1);
+        }
+      }
+    transpose_values<D>(values_t, value_groups);
+    std::fill(weights + (keys_here + 1) / 2 * 16, weights + kAmxKeys<D> / 2 * 16, 0u);  // zeros past the keys
+    const bool causal = start + keys_here - 1 > first_position;  // the tile reaches the chunk's tokens
+    for (int64_t j = 0; j < lanes; j += 16) {
+      amx_lane_scores<D>(scores, query_pairs + j, key_groups, lanes);
+      if (causal) mask_lanes(scores, 16, first_position + j % kAmxQueryTile, start, keys_here);
+      softmax_lanes<true, true>(scratch.weights.data(), scores, 16, scratch.max.data() + j, scratch.sum.data() + j,
+                                output + j, lanes, D, keys_here, chunk.scale);
+      amx_lane_output<D>(output + j, weights, values_t, lanes);
+    }
+  }
+}
+#endif
+
 // One item: query tokens [first, first + count) of KV head `kv_head`'s G query heads, over
 // positions [0, cached + first + count) of the cache, causal for the tiles that reach the tokens.
-// Amx (bfloat16 pairs only): both products on AMX tiles, kAmxKeyTile keys at a time.
+// Amx (bfloat16 pairs only): both products on AMX tiles (`amx_tiles`).
 template <typename T, typename C, bool Pairs, int D, bool Amx = false>
 __attribute__((optimize("fp-contract=fast")))
 void attend_item(const Chunk<T, C>& chunk, int64_t kv_head, int64_t first, Scratch& scratch) {
   static_assert(!Amx || Pairs);
   using W = std::conditional_t<Pairs, bf16, float>;  // what the tiles hold
-  constexpr int64_t kTile = Amx ? kAmxKeyTile : kKeyTile, kRows = Amx ? 32 : 4;  // keys; rows filled
+  constexpr int64_t kTile = kKeyTile, kRows = 4;  // keys; rows filled (vectors: AMX tiles take their own)
   constexpr int64_t kTokens = Amx ? kAmxQueryTile : kQueryTile;
   const int64_t group = chunk.heads / chunk.kv_heads, lanes = group * kTokens;
   const int64_t count = std::min(kTokens, chunk.tokens - first);
@@ -560,7 +689,11 @@ void attend_item(const Chunk<T, C>& chunk, int64_t kv_head, int64_t first, Scrat
   W* value_rows = reinterpret_cast<W*>(Pairs ? scratch.value_rows.data() : scratch.values.data());
   const C* key_cache = chunk.cache + kv_head * chunk.head_cache;
   const C* value_cache = chunk.cache + (chunk.kv_heads + kv_head) * chunk.head_cache;
-  for (int64_t start = 0; start < end; start += kTile) {
+  float* scores = scratch.scores.data();
+#if defined(TRITONLLM_AMX)
+  if constexpr (Amx) amx_tiles<C, D>(chunk, kv_head, first_position, end, lanes, scratch);
+#endif
+  for (int64_t start = 0; start < end && !Amx; start += kTile) {
     const int64_t keys_here = std::min(kTile, end - start);
     for (int64_t k = 0; k < keys_here; ++k) {
       const int64_t row = row_of(chunk.table, start + k, chunk.block_size) * D;
@@ -570,13 +703,6 @@ void attend_item(const Chunk<T, C>& chunk, int64_t kv_head, int64_t first, Scrat
     const int64_t filled = std::min(kTile, (keys_here + kRows - 1) / kRows * kRows);  // whole row blocks
     std::fill(keys + keys_here * D, keys + filled * D, W{});
     std::fill(value_rows + keys_here * D, value_rows + filled * D, W{});
-    float* scores = scratch.scores.data();
-#if defined(TRITONLLM_AMX)
-    if constexpr (Amx) {
-      transpose_values<D>(reinterpret_cast<bf16*>(scratch.values.data()), value_rows, filled);
-      amx_tile_scores<D>(scores, query_pairs, keys, lanes);
-    }
-#endif
 #if defined(__AVX512BF16__)
     if constexpr (Pairs && !Amx) {
       uint32_t* values = reinterpret_cast<uint32_t*>(scratch.values.data());  // [k / 2][d]: keys 2i, 2i + 1
@@ -592,26 +718,11 @@ void attend_item(const Chunk<T, C>& chunk, int64_t kv_head, int64_t first, Scrat
     }
 #endif
     if constexpr (!Pairs) tile_scores<D>(scores, queries, keys, lanes, keys_here, chunk.scale);
-    if (start + keys_here - 1 > first_position) {  // the tile reaches the chunk's tokens: causal mask
-      vint lane_token;
-      for (int i = 0; i < kLanes; ++i) lane_token[i] = i;
-      for (int64_t j = 0; j < lanes; j += kLanes) {
-        const vint position = lane_token + int32_t(first_position + j % kTokens);
-        for (int64_t k = 0; k < keys_here; ++k) {
-          const vfloat s = load(scores + k * lanes + j);
-          store(scores + k * lanes + j, int32_t(start + k) > position ? splat(-INFINITY) : s);
-        }
-      }
-    }
-    tile_softmax<Pairs, Amx>(scratch.weights.data(), scores, scratch.max.data(), scratch.sum.data(), output, lanes,
-                             D, keys_here, chunk.scale);
-#if defined(TRITONLLM_AMX)
-    if constexpr (Amx) {
-      uint32_t* weights = reinterpret_cast<uint32_t*>(scratch.weights.data());  // zeros past the tile's keys
-      std::fill(weights + (keys_here + 1) / 2 * lanes, weights + kAmxKeyTile / 2 * lanes, 0u);
-      amx_tile_output<D>(output, weights, reinterpret_cast<const bf16*>(scratch.values.data()), lanes);
-    }
-#endif
+    if (start + keys_here - 1 > first_position)  // the tile reaches the chunk's tokens
+      for (int64_t j = 0; j < lanes; j += kLanes)
+        mask_lanes(scores + j, lanes, first_position + j % kTokens, start, keys_here);
+    tile_softmax<Pairs>(scratch.weights.data(), scores, scratch.max.data(), scratch.sum.data(), output, lanes, D,
+                        keys_here);
 #if defined(__AVX512BF16__)
     if constexpr (Pairs && !Amx)
       tile_output_pairs<D>(output, reinterpret_cast<const uint32_t*>(scratch.weights.data()),

@@ -191,7 +191,7 @@ def tiles(request):
 def test_prefill_kernel_matches_reference(dtype, heads, kv_heads, head_dim, done, new, tiles):
     """The C++ prefill kernel alone, one chunk over the cache that already holds it: fresh, after a
     prefix, chunks and prefixes that end mid tile (its query tiles are 64 tokens, its key tiles 32,
-    or 128 on AMX), a single token. Blocks outside the table and positions past the context hold NaN:
+    or 128 on AMX at head size 64 and 64 at 128), a single token. Blocks outside the table and positions past the context hold NaN:
     a read of any of them would show."""
     if dtype == torch.float32 and tiles == "amx":
         pytest.skip("AMX tiles multiply bfloat16 only")
@@ -208,6 +208,37 @@ def test_prefill_kernel_matches_reference(dtype, heads, kv_heads, head_dim, done
                                              (span.block_table[-1] + 1) * BLOCK_SIZE] = float("nan")
     actual = cpu_ops.prefill_attention(query, poisoned, span.block_table, span.context_len, head_dim ** -0.5)
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache_dtype,block_size", [(torch.float8_e4m3fn, 16), (torch.float8_e5m2, 16),
+                                                    (torch.bfloat16, 8)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128)])
+@pytest.mark.parametrize("done,new", [(150, 80), (260, 100)])
+def test_prefill_kernel_copies_tiles_it_cannot_read_in_place(cache_dtype, block_size, heads, kv_heads, head_dim,
+                                                              done, new, tiles):
+    """bfloat16 queries over an 8-bit cache (its scales neither 1) or over blocks of 8 positions: AMX
+    tiles read a bfloat16 cache's 16-position blocks where they lie, and these tiles are copied (and
+    widened) instead, into the same products. Blocks outside the table hold NaN (or its 8-bit code)."""
+    torch.manual_seed(11)
+    k_scale, v_scale = (0.05, 0.8) if cache_dtype != torch.bfloat16 else (1.0, 1.0)
+    context = done + new
+    blocks = -(-context // block_size)
+    values = torch.randn(2, kv_heads, blocks + 4, block_size, head_dim)
+    if cache_dtype == torch.bfloat16:
+        cache = values.to(torch.bfloat16)
+    else:
+        cache = torch.stack([reference.quantize_kv(values[0], cache_dtype, k_scale),
+                             reference.quantize_kv(values[1], cache_dtype, v_scale)])
+    table = torch.randperm(blocks + 4)[:blocks].to(torch.int32)
+    poisoned = torch.full_like(values, float("nan")).to(cache_dtype)
+    poisoned[:, :, table.long()] = cache[:, :, table.long()]
+    query = torch.randn(new, heads, head_dim, dtype=torch.bfloat16)
+    span = PrefillSpan(0, new, context, table)
+    scale = head_dim ** -0.5
+    expected = attention.reference_prefill(query, cache, span, scale, k_scale=k_scale, v_scale=v_scale)
+    actual = cpu_ops.prefill_attention(query, poisoned, table, context, scale, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[torch.bfloat16])
 
 
 @needs_kernels
