@@ -35,6 +35,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define TRITONLLM_AMX 1
 #include <sys/syscall.h>
@@ -58,26 +61,19 @@ constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kMaxSlack = 8.f;  // log2 units: weights up to 2^8 before the running max moves
 
 // 2^x on each lane: 2^n * 2^f with an integer n and a polynomial for 2^f (fitted here for relative
-// error); 0 below 2^-125 (masked scores are -inf). Degree 5 for float32 (at most 1.6e-7 on AVX-512,
-// 2.4e-7 elsewhere: tests/ops/test_prefill_attention.py measures it), 3 where the weights are rounded
-// to bfloat16 next (7.5e-5, under a fiftieth of that rounding; AVX512-BF16 only).
+// error); 0 for -inf (masked scores) and, flushed, below 2^-126. Degree 5 for float32 (at most 1.6e-7
+// on AVX-512, 2.4e-7 elsewhere: tests/ops/test_prefill_attention.py measures it), 3 where the weights
+// are rounded to bfloat16 next (7.5e-5, under a fiftieth of that rounding; AVX512-BF16 only).
 template <int Degree = 5>
 __attribute__((always_inline)) inline vfloat exp2_lanes(vfloat x) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
   static_assert(Degree == 5 || Degree == 3);
-  // n = floor(x), f = x - n in [0, 1): vreducps takes f in one instruction, and vscalefps floors its
-  // exponent operand itself; the lanes below -125 are zeroed by its mask (NaN stays NaN: max_ps
-  // returns its second operand).
-  const __mmask16 live = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
-  // (The masked forms, all lanes kept: GCC 12 warns of the plain forms' undefined pass-through.)
-  x = (vfloat)_mm512_mask_max_ps((__m512)x, 0xffff, _mm512_set1_ps(-125.f), (__m512)x);
-#if defined(__AVX512DQ__)
-  const vfloat f =
-      (vfloat)_mm512_mask_reduce_ps((__m512)x, 0xffff, (__m512)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-#else
-  const vfloat f =
-      x - (vfloat)_mm512_mask_roundscale_ps((__m512)x, 0xffff, (__m512)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-#endif
+  // n = floor(x), f = x - n in [0, 1): vreduceps takes f in one instruction (0 for -inf), and
+  // vscalefps floors its exponent operand itself (-inf gives 0, NaN stays NaN). Results below 2^-126
+  // would be subnormal, which costs a microcode assist on some CPUs: the kernel's threads flush them
+  // to zero (`FlushToZero`).
+  const vfloat f = (vfloat)_mm512_mask_reduce_ps((__m512)x, 0xffff, (__m512)x,  // (masked: GCC 12 warns of
+                                                 _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // the plain form)
   vfloat p;
   if constexpr (Degree == 5) {
     p = splat(1.8775678e-3f);
@@ -92,7 +88,7 @@ __attribute__((always_inline)) inline vfloat exp2_lanes(vfloat x) {
     p = p * f + 6.9583499e-1f;
     p = p * f + 9.9992496e-1f;
   }
-  return (vfloat)_mm512_maskz_scalef_ps(live, (__m512)p, (__m512)x);
+  return (vfloat)_mm512_mask_scalef_ps((__m512)p, 0xffff, (__m512)p, (__m512)x);
 #else
   static_assert(Degree == 5, "the bfloat16 pairs (degree 3) imply AVX-512");
   // n = round(x), |f| <= 1/2.
@@ -112,6 +108,19 @@ __attribute__((always_inline)) inline vfloat exp2_lanes(vfloat x) {
   return underflow ? splat(0.f) : p * power;
 #endif
 }
+
+// Subnormal results flushed to zero on this thread while it lives (MXCSR's FTZ bit), then the bit
+// as it was: exp2_lanes leaves its smallest results to it.
+class FlushToZero {
+#if defined(__SSE__)
+ public:
+  FlushToZero() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | _MM_FLUSH_ZERO_ON); }
+  ~FlushToZero() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
 
 __attribute__((always_inline)) inline bool any_lane(vint mask) {
 #if defined(__AVX512F__)
@@ -773,6 +782,7 @@ void prefill_attention(T* out, const T* query, int64_t query_stride, const C* ca
 #if defined(TRITONLLM_AMX)
     if (amx) configure_tiles();  // each thread's own tile registers
 #endif
+    [[maybe_unused]] const FlushToZero flush_to_zero;
     Scratch scratch(heads / kv_heads * query_tile, dim);
     for (int64_t i = claimed++; i < items; i = claimed++)
       item(chunk, i % kv_heads, (query_tiles - 1 - i / kv_heads) * query_tile, scratch);

@@ -242,6 +242,17 @@ def test_prefill_kernel_copies_tiles_it_cannot_read_in_place(cache_dtype, block_
 
 
 @needs_kernels
+def test_prefill_kernel_leaves_the_callers_subnormals_alone():
+    """The kernel's threads flush subnormal results to zero while it runs (its 2^x leaves its smallest
+    results to that), and hand the calling thread back its own floating-point mode."""
+    tiny = torch.tensor([1e-30], dtype=torch.float32)
+    assert (tiny * 1e-10).item() != 0.0  # subnormal, as the process runs by default
+    query, key, value, cache, meta = make_step([(40, 80)], 4, 2, 64, torch.float32, num_decodes=0)
+    cpu_ops.prefill_attention(query, cache, meta.prefills[0].block_table, meta.prefills[0].context_len, 0.125)
+    assert (tiny * 1e-10).item() != 0.0
+
+
+@needs_kernels
 def test_prefill_kernel_float32_within_a_few_ulp():
     """float32 scores and weights from the kernel's polynomial 2^x (relative error ~2e-7): the output
     within 1e-5 of float64 attention over a 600-token chunk after a 300-token prefix, scores spread
