@@ -53,7 +53,7 @@ constexpr int64_t kQueryTile = 64;  // query tokens an item takes: G x 64 lanes,
 constexpr int64_t kKeyTile = 32;    // keys scored, then weighed, at a time (even: bfloat16 pairs them)
 constexpr int64_t kAmxKeyTile = 128;  // the same on AMX tiles at most: 8 blocks of 16 keys, 4 tiles of 32 weights
 // ...and at head size D: 16 KiB of keys and as much of values (then, with the scores, weights and the
-// queries, the tile stays in L1; 128 keys at D = 128 spilled to L2, 5% slower).
+// queries, the tile stays in L1; 128 keys at D = 128 spilled to L2: docs/benchmarks.md).
 template <int D>
 constexpr int64_t kAmxKeys = std::min<int64_t>(kAmxKeyTile, 8192 / D);
 constexpr int64_t kAmxQueryTile = 64;  // query tokens an AMX item takes: its buffers then stay in L1
