@@ -172,6 +172,7 @@ class LineBuffer {
   float* data() const { return data_.get(); }
   float* begin() const { return data(); }
   float* end() const { return data() + size_; }
+  int64_t size() const { return size_; }
 
  private:
   struct Free {
@@ -593,63 +594,125 @@ inline void mask_lanes(float* scores, int64_t stride, int64_t position, int64_t 
   }
 }
 
+// What every query tile of a chunk reads alike, prepared once a call where a chunk has several query
+// tiles and this fits kPreparedBytes (`prepare_tiles`): each KV head's value tiles transposed, and
+// where the cache cannot be read in place, its key tiles as bfloat16 rows. Without it, each item
+// prepares its own, tile by tile (the transpose then repeated for every query tile).
+struct Prepared {
+  const bf16* values_t = nullptr;  // [kv_heads][tiles][D][kAmxKeys<D>], or null: each item's own
+  const bf16* keys = nullptr;      // [kv_heads][tiles][kAmxKeys<D>][D], or null: read in place (or each item's own)
+  int64_t tiles = 0;
+};
+constexpr int64_t kPreparedBytes = int64_t(64) << 20;
+
 #if defined(TRITONLLM_AMX)
-// attend_item's key tiles on AMX, kAmxKeys<D> keys at a time, and within a tile 16 lanes at a time
-// (the scores, their softmax, the output), so that the scores and weights stay in L1 between them.
-// A tile's 16-key groups are read where they lie: a block's rows, for a bfloat16 cache in blocks of
-// whole 16s (AMX loads 16 rows at any stride); a copy (widened from 8 bits, zeros past the chunk's
-// keys) otherwise. The queries, output, running max and sum are the item's, in `scratch`.
+// A key tile's 16-key groups as AMX reads them: where they lie (a block's rows, for a bfloat16 cache
+// in blocks of whole 16s, `in_place`; AMX loads 16 rows at any stride) or copied to `keys` and
+// `value_rows` [kAmxKeys<D>][D] (widened from 8 bits, zeros past `end`).
 template <typename C, int D>
-__attribute__((optimize("fp-contract=fast")))
-void amx_tiles(const Chunk<bf16, C>& chunk, int64_t kv_head, int64_t first_position, int64_t end, int64_t lanes,
-               Scratch& scratch) {
-  constexpr int64_t kGroups = kAmxKeys<D> / 16;
+void tile_groups(const Chunk<bf16, C>& chunk, int64_t kv_head, int64_t start, int64_t end, bool in_place, bf16* keys,
+                 bf16* value_rows, const bf16** key_groups, const bf16** value_groups) {
   const C* key_cache = chunk.cache + kv_head * chunk.head_cache;
   const C* value_cache = chunk.cache + (chunk.kv_heads + kv_head) * chunk.head_cache;
-  const bool in_place = std::is_same_v<C, bf16> && chunk.block_size % 16 == 0;
+  for (int64_t g = 0; g < kAmxKeys<D> / 16; ++g) {
+    const int64_t first_key = start + g * 16;
+    if (in_place && first_key + 16 <= end) {
+      const int64_t row = row_of(chunk.table, first_key, chunk.block_size) * D;
+      key_groups[g] = reinterpret_cast<const bf16*>(key_cache + row);
+      value_groups[g] = reinterpret_cast<const bf16*>(value_cache + row);
+      continue;
+    }
+    bf16* group_keys = keys + g * 16 * D;
+    bf16* group_values = value_rows + g * 16 * D;
+    const int64_t rows = std::clamp<int64_t>(end - first_key, 0, 16);
+    for (int64_t k = 0; k < rows; ++k) {
+      const int64_t row = row_of(chunk.table, first_key + k, chunk.block_size) * D;
+      convert_row(group_keys + k * D, key_cache + row, D);
+      convert_row(group_values + k * D, value_cache + row, D);
+    }
+    std::fill(group_keys + rows * D, group_keys + 16 * D, bf16{});
+    std::fill(group_values + rows * D, group_values + 16 * D, bf16{});
+    key_groups[g] = group_keys;
+    value_groups[g] = group_values;
+  }
+}
+
+
+// The cache of a bfloat16 chunk in blocks of whole 16s is read in place.
+template <typename C>
+bool reads_in_place(const Chunk<bf16, C>& chunk) {
+  return std::is_same_v<C, bf16> && chunk.block_size % 16 == 0;
+}
+
+// Prepared tiles for the chunk's whole context, in the calling thread's buffer (kept for its next
+// call: fresh pages each call took ~1 ms of page faults), or none (see Prepared).
+template <typename C, int D>
+Prepared prepare_tiles(const Chunk<bf16, C>& chunk, int64_t query_tiles) {
+  const int64_t end = chunk.cached + chunk.tokens, tiles = (end + kAmxKeys<D> - 1) / kAmxKeys<D>;
+  const bool in_place = reads_in_place(chunk);
+  const int64_t tile_elements = kAmxKeys<D> * D, parts = in_place ? 1 : 2;
+  const int64_t elements = chunk.kv_heads * tiles * tile_elements * parts;
+  if (query_tiles < 2 || elements * int64_t(sizeof(bf16)) > kPreparedBytes) return {};
+  thread_local std::unique_ptr<LineBuffer> buffer;
+  if (!buffer || buffer->size() * 2 < elements) buffer = std::make_unique<LineBuffer>((elements + 1) / 2);
+  bf16* values_t = reinterpret_cast<bf16*>(buffer->data());
+  bf16* keys = in_place ? nullptr : values_t + chunk.kv_heads * tiles * tile_elements;
+#pragma omp parallel
+  {
+    LineBuffer own_keys(tile_elements / 2), value_rows(tile_elements / 2);
+#pragma omp for schedule(static)
+    for (int64_t unit = 0; unit < chunk.kv_heads * tiles; ++unit) {
+      const int64_t kv_head = unit / tiles, start = unit % tiles * kAmxKeys<D>;
+      const bf16 *key_groups[kAmxKeys<D> / 16], *value_groups[kAmxKeys<D> / 16];
+      tile_groups<C, D>(chunk, kv_head, start, end, in_place,
+                        keys ? keys + unit * tile_elements : reinterpret_cast<bf16*>(own_keys.data()),
+                        reinterpret_cast<bf16*>(value_rows.data()), key_groups, value_groups);
+      transpose_values<D>(values_t + unit * tile_elements, value_groups);
+    }
+  }
+  return {values_t, keys, tiles};
+}
+
+// attend_item's key tiles on AMX, kAmxKeys<D> keys at a time, and within a tile 16 lanes at a time
+// (the scores, their softmax, the output), so that the scores and weights stay in L1 between them.
+// The tiles come prepared (`prepared`) or are prepared here, one at a time, in `scratch`; the
+// queries, output, running max and sum are the item's, in `scratch` too.
+template <typename C, int D>
+__attribute__((optimize("fp-contract=fast")))
+void amx_tiles(const Chunk<bf16, C>& chunk, const Prepared& prepared, int64_t kv_head, int64_t first_position,
+               int64_t end, int64_t lanes, Scratch& scratch) {
+  constexpr int64_t kGroups = kAmxKeys<D> / 16, kTileElements = kAmxKeys<D> * D;
+  const bool in_place = reads_in_place(chunk);
   const uint32_t* query_pairs = reinterpret_cast<const uint32_t*>(scratch.queries.data());
   float* output = scratch.output.data();
   float* scores = scratch.scores.data();  // [k][16 lanes]
-  bf16* keys = reinterpret_cast<bf16*>(scratch.keys.data());
-  bf16* value_rows = reinterpret_cast<bf16*>(scratch.value_rows.data());
-  bf16* values_t = reinterpret_cast<bf16*>(scratch.values.data());
   uint32_t* weights = reinterpret_cast<uint32_t*>(scratch.weights.data());  // [k / 2][16 lanes]
   for (int64_t start = 0; start < end; start += kAmxKeys<D>) {
     const int64_t keys_here = std::min(kAmxKeys<D>, end - start);
+    const int64_t unit = kv_head * prepared.tiles + start / kAmxKeys<D>;  // the tile's place in `prepared`
     const bf16 *key_groups[kGroups], *value_groups[kGroups];
-    for (int64_t g = 0; g < kGroups; ++g) {
-      const int64_t first_key = start + g * 16;
-      if (in_place && first_key + 16 <= end) {
-        const int64_t row = row_of(chunk.table, first_key, chunk.block_size) * D;
-        key_groups[g] = reinterpret_cast<const bf16*>(key_cache + row);
-        value_groups[g] = reinterpret_cast<const bf16*>(value_cache + row);
-        continue;
-      }
-      bf16* group_keys = keys + g * 16 * D;
-      bf16* group_values = value_rows + g * 16 * D;
-      const int64_t rows = std::clamp<int64_t>(end - first_key, 0, 16);
-      for (int64_t k = 0; k < rows; ++k) {
-        const int64_t row = row_of(chunk.table, first_key + k, chunk.block_size) * D;
-        convert_row(group_keys + k * D, key_cache + row, D);
-        convert_row(group_values + k * D, value_cache + row, D);
-      }
-      std::fill(group_keys + rows * D, group_keys + 16 * D, bf16{});
-      std::fill(group_values + rows * D, group_values + 16 * D, bf16{});
-      key_groups[g] = group_keys;
-      value_groups[g] = group_values;
-    }
-    if (in_place)  // the next tile's rows into L2 meanwhile: read in place, they would otherwise come from L3 on demand
-      for (int64_t first_key = start + kAmxKeys<D>; first_key < std::min(end, start + 2 * kAmxKeys<D>);
-           first_key += 16) {
-        const int64_t row = row_of(chunk.table, first_key, chunk.block_size) * D;
-        const char* key_bytes = reinterpret_cast<const char*>(key_cache + row);
-        const char* value_bytes = reinterpret_cast<const char*>(value_cache + row);
-        for (int64_t line = 0; line < 16 * D * 2; line += 64) {
-          _mm_prefetch(key_bytes + line, _MM_HINT_T1);
-          _mm_prefetch(value_bytes + line, _MM_HINT_T1);
+    if (prepared.keys) {
+      for (int64_t g = 0; g < kGroups; ++g) key_groups[g] = prepared.keys + unit * kTileElements + g * 16 * D;
+    } else {
+      tile_groups<C, D>(chunk, kv_head, start, end, in_place, reinterpret_cast<bf16*>(scratch.keys.data()),
+                        reinterpret_cast<bf16*>(scratch.value_rows.data()), key_groups, value_groups);
+      if (in_place)  // the next tile's rows into L2 meanwhile: they would otherwise come from L3 on demand
+        for (int64_t first_key = start + kAmxKeys<D>; first_key < std::min(end, start + 2 * kAmxKeys<D>);
+             first_key += 16) {
+          const int64_t row = row_of(chunk.table, first_key, chunk.block_size) * D;
+          const char* key_bytes = reinterpret_cast<const char*>(chunk.cache + kv_head * chunk.head_cache + row);
+          for (int64_t line = 0; line < 16 * D * 2; line += 64) _mm_prefetch(key_bytes + line, _MM_HINT_T1);
+          if (prepared.values_t) continue;
+          const char* value_bytes =
+              reinterpret_cast<const char*>(chunk.cache + (chunk.kv_heads + kv_head) * chunk.head_cache + row);
+          for (int64_t line = 0; line < 16 * D * 2; line += 64) _mm_prefetch(value_bytes + line, _MM_HINT_T1);
         }
-      }
-    transpose_values<D>(values_t, value_groups);
+    }
+    const bf16* values_t = reinterpret_cast<const bf16*>(scratch.values.data());
+    if (prepared.values_t)
+      values_t = prepared.values_t + unit * kTileElements;
+    else
+      transpose_values<D>(reinterpret_cast<bf16*>(scratch.values.data()), value_groups);
     std::fill(weights + (keys_here + 1) / 2 * 16, weights + kAmxKeys<D> / 2 * 16, 0u);  // zeros past the keys
     const bool causal = start + keys_here - 1 > first_position;  // the tile reaches the chunk's tokens
     for (int64_t j = 0; j < lanes; j += 16) {
@@ -668,7 +731,8 @@ void amx_tiles(const Chunk<bf16, C>& chunk, int64_t kv_head, int64_t first_posit
 // Amx (bfloat16 pairs only): both products on AMX tiles (`amx_tiles`).
 template <typename T, typename C, bool Pairs, int D, bool Amx = false>
 __attribute__((optimize("fp-contract=fast")))
-void attend_item(const Chunk<T, C>& chunk, int64_t kv_head, int64_t first, Scratch& scratch) {
+void attend_item(const Chunk<T, C>& chunk, const Prepared& prepared, int64_t kv_head, int64_t first,
+                 Scratch& scratch) {
   static_assert(!Amx || Pairs);
   using W = std::conditional_t<Pairs, bf16, float>;  // what the tiles hold
   constexpr int64_t kTile = kKeyTile, kRows = 4;  // keys; rows filled (vectors: AMX tiles take their own)
@@ -700,7 +764,7 @@ void attend_item(const Chunk<T, C>& chunk, int64_t kv_head, int64_t first, Scrat
   const C* value_cache = chunk.cache + (chunk.kv_heads + kv_head) * chunk.head_cache;
   float* scores = scratch.scores.data();
 #if defined(TRITONLLM_AMX)
-  if constexpr (Amx) amx_tiles<C, D>(chunk, kv_head, first_position, end, lanes, scratch);
+  if constexpr (Amx) amx_tiles<C, D>(chunk, prepared, kv_head, first_position, end, lanes, scratch);
 #endif
   for (int64_t start = 0; start < end && !Amx; start += kTile) {
     const int64_t keys_here = std::min(kTile, end - start);
@@ -776,6 +840,11 @@ void prefill_attention(T* out, const T* query, int64_t query_stride, const C* ca
 #endif
   const int64_t query_tile = amx ? kAmxQueryTile : kQueryTile;
   const int64_t query_tiles = (tokens + query_tile - 1) / query_tile, items = query_tiles * kv_heads;
+  Prepared prepared;
+#if defined(TRITONLLM_AMX)
+  if constexpr (pairs)
+    if (amx) prepared = dim == 64 ? prepare_tiles<C, 64>(chunk, query_tiles) : prepare_tiles<C, 128>(chunk, query_tiles);
+#endif
   std::atomic<int64_t> claimed{0};
 #pragma omp parallel if (items > 1)
   {
@@ -785,7 +854,7 @@ void prefill_attention(T* out, const T* query, int64_t query_stride, const C* ca
     [[maybe_unused]] const FlushToZero flush_to_zero;
     Scratch scratch(heads / kv_heads * query_tile, dim);
     for (int64_t i = claimed++; i < items; i = claimed++)
-      item(chunk, i % kv_heads, (query_tiles - 1 - i / kv_heads) * query_tile, scratch);
+      item(chunk, prepared, i % kv_heads, (query_tiles - 1 - i / kv_heads) * query_tile, scratch);
 #if defined(TRITONLLM_AMX)
     if (amx) _tile_release();
 #endif

@@ -214,12 +214,13 @@ def test_prefill_kernel_matches_reference(dtype, heads, kv_heads, head_dim, done
 @pytest.mark.parametrize("cache_dtype,block_size", [(torch.float8_e4m3fn, 16), (torch.float8_e5m2, 16),
                                                     (torch.bfloat16, 8)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128)])
-@pytest.mark.parametrize("done,new", [(150, 80), (260, 100)])
+@pytest.mark.parametrize("done,new", [(150, 80), (260, 100), (300, 40)])
 def test_prefill_kernel_copies_tiles_it_cannot_read_in_place(cache_dtype, block_size, heads, kv_heads, head_dim,
                                                               done, new, tiles):
     """bfloat16 queries over an 8-bit cache (its scales neither 1) or over blocks of 8 positions: AMX
     tiles read a bfloat16 cache's 16-position blocks where they lie, and these tiles are copied (and
-    widened) instead, into the same products. Blocks outside the table hold NaN (or its 8-bit code)."""
+    widened) instead, into the same products: once a call for a chunk of several query tiles, by the
+    one item of a chunk of one (40 tokens). Blocks outside the table hold NaN (or its 8-bit code)."""
     torch.manual_seed(11)
     k_scale, v_scale = (0.05, 0.8) if cache_dtype != torch.bfloat16 else (1.0, 1.0)
     context = done + new
