@@ -27,7 +27,7 @@ from openai_frontend.kv_index import KVEventIndex, ReplicaCache, parse_endpoints
 from openai_frontend.replicas import (BLOCK_TOKENS, FALLOVER_EXCESS, PREFIX_BLOCKS, Replica, Replicas,
                                       cache_affine, least_outstanding, parse_urls, prefix_affine, prefix_key,
                                       rendezvous_order, resolve, round_robin)
-from openai_frontend.triton import Chunk, SampleDelta
+from openai_frontend.triton import LLM_MODEL, Chunk, SampleDelta
 from tests.utils.serve import ServedApp, frontend_metrics
 from tests.utils.triton import settled
 from tools.triton_server import TritonServer, free_port, write_model_repository
@@ -146,6 +146,44 @@ def test_replicas_that_are_down_are_skipped():
     for routing in ("prefix", "round-robin"):
         router.routing = routing
         assert all(router.pick(list(range(k, k + 64)), tried=[]) is not down for k in range(50))
+
+
+class DyingTriton:
+    """A replica's Triton killed while the router checks it: the llm model still answered ready,
+    then its probe and every later call fail. It never served the embeddings model."""
+
+    async def model_ready(self, model: str) -> bool:
+        if model == LLM_MODEL:
+            return True
+        raise OpenAIError(503, "Triton at 10.0.0.2:8001 is unreachable: Stream removed", None, "service_unavailable")
+
+    async def probe(self, model: str) -> str | None:
+        return "Triton at 10.0.0.2:8001 is unreachable: Stream removed"
+
+
+class LlmOnlyTriton:
+    async def model_ready(self, model: str) -> bool:
+        return model == LLM_MODEL
+
+    async def probe(self, model: str) -> str | None:
+        return None
+
+
+def test_a_replica_dying_mid_check_leaves_health_to_the_survivor():
+    """A model the dead replica never served is not 'down': /health's verdict (model_ready and
+    embeddings_down) stays the survivor's, then and at the checks that find the replica gone."""
+    async def run() -> None:
+        router = Replicas([])
+        survivor = Replica("10.0.0.1:8001", LlmOnlyTriton(), ready=True)  # type: ignore[arg-type]
+        dying = Replica("10.0.0.2:8001", DyingTriton(), ready=True)  # type: ignore[arg-type]
+        router.replicas = {survivor.url: survivor, dying.url: dying}
+        assert await router.check(survivor) is True
+        assert await router.check(dying) is False and dying.broken
+        assert await router.model_ready(LLM_MODEL) and router.embeddings_down() is None
+        assert await router.check(dying) is False
+        assert router.embeddings_down() is None
+
+    asyncio.run(run())
 
 
 class StalledTriton:
