@@ -637,7 +637,6 @@ void tile_groups(const Chunk<bf16, C>& chunk, int64_t kv_head, int64_t start, in
   }
 }
 
-
 // The cache of a bfloat16 chunk in blocks of whole 16s is read in place.
 template <typename C>
 bool reads_in_place(const Chunk<bf16, C>& chunk) {
@@ -700,12 +699,11 @@ void amx_tiles(const Chunk<bf16, C>& chunk, const Prepared& prepared, int64_t kv
         for (int64_t first_key = start + kAmxKeys<D>; first_key < std::min(end, start + 2 * kAmxKeys<D>);
              first_key += 16) {
           const int64_t row = row_of(chunk.table, first_key, chunk.block_size) * D;
-          const char* key_bytes = reinterpret_cast<const char*>(chunk.cache + kv_head * chunk.head_cache + row);
-          for (int64_t line = 0; line < 16 * D * 2; line += 64) _mm_prefetch(key_bytes + line, _MM_HINT_T1);
-          if (prepared.values_t) continue;
-          const char* value_bytes =
-              reinterpret_cast<const char*>(chunk.cache + (chunk.kv_heads + kv_head) * chunk.head_cache + row);
-          for (int64_t line = 0; line < 16 * D * 2; line += 64) _mm_prefetch(value_bytes + line, _MM_HINT_T1);
+          for (int64_t part = 0; part < (prepared.values_t ? 1 : 2); ++part) {  // keys, then values unless prepared
+            const char* bytes =
+                reinterpret_cast<const char*>(chunk.cache + (part * chunk.kv_heads + kv_head) * chunk.head_cache + row);
+            for (int64_t line = 0; line < 16 * D * 2; line += 64) _mm_prefetch(bytes + line, _MM_HINT_T1);
+          }
         }
     }
     const bf16* values_t = reinterpret_cast<const bf16*>(scratch.values.data());
