@@ -70,6 +70,11 @@ class Settings:
     header_timeout: float = 10.0  # seconds a client has to send a request's headers
     body_timeout: float = 30.0  # seconds a client has to send a request's body, once its headers are in
     write_timeout: float = 30.0  # seconds a response may wait for a client that reads nothing; then cancelled
+    # Seconds an idle connection is kept between requests. Longer than clients' own idle pools (httpx's,
+    # so the openai SDK's, 5 s; aiohttp's 15 s) and load balancers' (60 s), so the client closes first:
+    # uvicorn's 5 s closed connections a client had just sent a request on (it got a reset), and after
+    # the frontend was paused (a stalled host, a long GC) longer than that, every request sent meanwhile.
+    keep_alive_timeout: int = 65
     prompt_as_text: bool = False  # the llm model is Triton's own vLLM backend: text prompts, its inputs only
     # Images in chat content (openai_frontend/media.py): data URLs always; these open other sources.
     allowed_media_domains: list[str] = field(default_factory=list)  # hosts of http(s) image URLs; none: refused
@@ -89,7 +94,8 @@ class Settings:
         model = str(Path(model).expanduser())
         if self.routing not in ROUTING:
             raise ValueError(f"routing: one of {', '.join(ROUTING)}, got {self.routing!r}")
-        for name in ("request_timeout", "header_timeout", "body_timeout", "write_timeout", "media_fetch_timeout"):
+        for name in ("request_timeout", "header_timeout", "body_timeout", "write_timeout", "keep_alive_timeout",
+                     "media_fetch_timeout"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive seconds, got {getattr(self, name)}")
         parse_endpoints(self.kv_events_endpoint)  # ValueError naming it

@@ -72,6 +72,8 @@ HELP = {
                     "connection closed",
     "write_timeout": "seconds a response may wait for a client that does not read it (a full send buffer), then "
                      "its request is cancelled, freeing its KV blocks, and the connection closed",
+    "keep_alive_timeout": "seconds an idle connection is kept open between requests; keep it longer than the "
+                          "clients' and any load balancer's idle timeout, so they close first",
     "prompt_as_text": "send each prompt to Triton as text (`text_input`, decoded from its token ids) with only the "
                       "inputs of Triton's own vLLM backend, serving it as the `llm` model; cache_salt is refused",
     "allowed_media_domains": "hosts whose http(s) image URLs are fetched, comma-separated or repeated (vLLM's flag; "
@@ -178,11 +180,13 @@ class TimedH11Protocol(H11Protocol):
 
 
 def server_config(app, settings: Settings, log_level: str = "info") -> uvicorn.Config:
-    """uvicorn's settings for the frontend: its address and the reading and writing deadlines."""
+    """uvicorn's settings for the frontend: its address, the reading and writing deadlines and how long
+    an idle connection is kept."""
     protocol = type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout": settings.header_timeout,
                                                               "body_timeout": settings.body_timeout,
                                                               "write_timeout": settings.write_timeout})
-    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level, http=protocol)
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level, http=protocol,
+                          timeout_keep_alive=settings.keep_alive_timeout)
 
 
 def parse_settings(argv: list[str] | None = None) -> tuple[Settings, str]:

@@ -7,6 +7,7 @@ tritonserver frozen by SIGSTOP, and connections that send half a request."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -21,6 +22,7 @@ import pytest
 
 from openai_frontend import Settings
 from tests.utils import wait_for
+from tests.utils.frontend import FrontendProcess
 from tests.utils.serve import EMBEDDINGS, ServedApp, frontend_metrics
 from tests.utils.triton import shm_regions, start_triton, stub_processes
 from tools.triton_server import TritonServer, free_port, write_model_repository
@@ -259,3 +261,25 @@ def test_a_slow_but_steady_body_within_the_timeout_is_served(model_path):
             answer = sock.recv(4096)
         # No Triton behind it: the whole body was read and the request reached the routing (503).
         assert answer.startswith(b"HTTP/1.1 503 "), answer[:200]
+
+
+PAUSE_PAST_UVICORNS_KEEP_ALIVE_S = 6.5  # uvicorn's own idle timeout is 5 s
+
+
+def test_a_request_sent_while_the_frontend_is_paused_is_answered(tmp_path, model_path):
+    """A client reuses an idle connection while the frontend is stopped (a stalled host, a long GC):
+    on waking, the frontend must read the request, not close the connection as idle for too long
+    (the client got a reset: the soak's frontend pause lost two requests this way)."""
+    with FrontendProcess([f"127.0.0.1:{free_port()}"], model_path, tmp_path / "frontend.log") as frontend, \
+            httpx.Client(base_url=frontend.url, limits=httpx.Limits(keepalive_expiry=120), timeout=30) as client:
+        assert client.get("/health/live").status_code == 200
+        frontend.pause()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(client.get, "/health/live")  # on the same, idle connection
+                time.sleep(PAUSE_PAST_UVICORNS_KEEP_ALIVE_S)
+                frontend.resume()
+                assert answer.result().status_code == 200
+        finally:
+            frontend.resume()
+        assert client.get("/health/live").status_code == 200
