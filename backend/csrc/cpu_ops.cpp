@@ -45,6 +45,10 @@ constexpr int64_t kParallelElements = 1 << 16;  // smaller ops run on one thread
 // An item whose keys and values pass this is not prefetched while the one before it computes: a
 // quarter of the smallest L2 we run on (1 MiB a core: AMD Zen 4, older Xeons; 2 MiB: Sapphire Rapids).
 constexpr int64_t kMaxPrefetchBytes = 256 << 10;
+// An 8-bit cache's item past kMaxPrefetchBytes asks for its own rows this many chunks ahead (into
+// L2) as it goes: nothing prefetched it, and its one cache line a position left each chunk waiting
+// on memory (docs/benchmarks.md, "8-bit KV cache"). 2, 8 and 16 chunks measured the same.
+constexpr int64_t kAheadChunks = 4;
 
 // norm(x) * weight; with a residual, residual_out = x + residual first and the norm of that.
 template <typename T>
@@ -234,10 +238,15 @@ __attribute__((always_inline)) inline void prefetch_rows(const Item<T>& item, in
 // there, and each row would otherwise wait on memory. Contiguous blocks are left to it (asking for
 // those too, or asking 2-3 chunks ahead, measured slower, with either attention kernel). 64 decodes
 // of 192 positions, random blocks over 136 MB: 1.6-1.7 -> 1.3-1.5 ms a layer (float32-widening
-// kernel); consecutive blocks unchanged.
+// kernel); consecutive blocks unchanged. The exception: a long item of an 8-bit cache, which reads
+// too few bytes a position for the hardware to stream it ahead, asks kAheadChunks ahead (L2).
 template <typename T>
 __attribute__((always_inline)) inline void prefetch_after_jump(const Item<T>& item, int64_t next, int64_t block_size,
                                                                int64_t dim) {
+  if constexpr (sizeof(T) == 1) {
+    if ((item.len - item.begin) * 2 * dim > kMaxPrefetchBytes)
+      prefetch_rows<2>(item, next + kAheadChunks * kLanes, block_size, dim);
+  }
   if (next >= item.len || row_of(item.table, next, block_size) == row_of(item.table, next - 1, block_size) + 1) return;
   prefetch_rows<3>(item, next, block_size, dim);
 }
