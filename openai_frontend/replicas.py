@@ -275,12 +275,12 @@ class Replicas:
             replica.watchdog = asyncio.create_task(self.fail_stalled(replica))
         unreachable = broken is not None and not loaded
         had_embeddings = replica.embeddings_ready or replica.embeddings_broken is not None
-        if unreachable:  # its embeddings model is down with it, if it had one
-            embeddings_loaded, embeddings_broken = False, broken if had_embeddings else None
+        if unreachable:  # its embeddings model is down with it
+            embeddings_loaded, embeddings_broken = False, broken
         else:
             embeddings_loaded, embeddings_broken = await self.model_health(replica, EMBEDDINGS_MODEL)
-            if not embeddings_loaded and not had_embeddings:  # Triton died mid-check: a model it never
-                embeddings_broken = None  # served is not down (else /health stayed 503 for good)
+        if not embeddings_loaded and not had_embeddings:  # a model it never served is not down, though
+            embeddings_broken = None  # Triton died before or during the check (else /health stayed 503)
         if embeddings_broken != replica.embeddings_broken and not unreachable:
             logger.log(logging.WARNING if embeddings_broken else logging.INFO, "replica %s: the `%s` model %s",
                        replica.url, EMBEDDINGS_MODEL, f"is down: {embeddings_broken}" if embeddings_broken else "answers")
