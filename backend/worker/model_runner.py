@@ -71,6 +71,7 @@ class ModelRunner:
         check_parallel(self.args, config.tensor_parallel_size, config.pipeline_parallel_size)
         self.quantization = quantization.detect(hf_config, config.quantization, world_size(config))
         self.config = config = self._start_workers(config, model_path, rank)
+        self.host_threads = torch.get_num_threads()  # _place may take a share of them: shutdown gives it back
         self.device, self.dtype = self._place(config, rank)
         self.kv_cache_dtype = quantization.kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         try:
@@ -383,7 +384,9 @@ class ModelRunner:
             raise RuntimeError(self.failure)
 
     def shutdown(self) -> None:
-        """Stop the worker ranks (rank 0): a last broadcast tells them, then they are ended."""
+        """Stop the worker ranks (rank 0): a last broadcast tells them, then they are ended. The
+        process's threads are its own again (a later engine in it uses all of the host's cores)."""
+        torch.set_num_threads(self.host_threads)
         if self.workers is None:
             return
         workers, self.workers = self.workers, None

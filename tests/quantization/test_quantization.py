@@ -422,10 +422,13 @@ def smollm2_quantized(model_path, tmp_path_factory) -> dict[str, tuple[Path, Pat
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["awq", "gptq"])
 def test_smollm2_quantized_runs_as_its_dequantized_float_model(smollm2_quantized, name):
+    """The same weights (a 4-bit code times its float16 scale is exact in float32) summed in another
+    order by the 4-bit kernel: over 30 layers and 12 tokens the top logprobs moved by up to 5.1e-5
+    (AWQ) and 7.2e-5 (GPTQ) with one thread, 7.2e-5 and 1.15e-4 with two (quantizing and running)."""
     checkpoint, dequantized = smollm2_quantized[name]
     quantized = LLM(str(checkpoint), dtype="float32", kv_cache_memory_bytes=64 << 20)
     reference_model = LLM(str(dequantized), dtype="float32", kv_cache_memory_bytes=64 << 20)
-    assert_same_model(quantized.generate(PROMPTS, greedy()), reference_model.generate(PROMPTS, greedy()), 1e-4)
+    assert_same_model(quantized.generate(PROMPTS, greedy()), reference_model.generate(PROMPTS, greedy()), 3e-4)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from backend import LLM, SamplingParams
 from backend.engine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -77,7 +78,9 @@ def tiny_single(tiny):
 @pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
                          ids=["tp2", "pp2"])
 def test_tiny_model_split_matches_one_process(tiny, tiny_single, parallel):
+    threads = torch.get_num_threads()
     assert greedy_tokens(tiny, **parallel) == tiny_single
+    assert torch.get_num_threads() == threads  # the engine's share of the host's cores is given back
 
 
 @pytest.mark.slow
