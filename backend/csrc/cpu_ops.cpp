@@ -354,11 +354,8 @@ void attend_one_narrow(T* out, const T* query, const Item<C>& item, const Item<C
     prefetch_rows<2>(next, start + shift, block_size, dim);
     if constexpr (kStage) {
       for (int64_t p = 0; p < count; ++p) {
-        const C* value = value_cache + (rows[p] - key_cache);
-        for (int j = 0; j < V; ++j) {
-          store(staged + p * dim + j * kLanes, load(rows[p] + j * kLanes));
-          store(staged + (kLanes + p) * dim + j * kLanes, load(value + j * kLanes));
-        }
+        widen_row<C, dim>(staged + p * dim, rows[p]);
+        widen_row<C, dim>(staged + (kLanes + p) * dim, value_cache + (rows[p] - key_cache));
         keys[p] = staged + p * dim;
         values[p] = staged + (kLanes + p) * dim;
       }
@@ -369,6 +366,10 @@ void attend_one_narrow(T* out, const T* query, const Item<C>& item, const Item<C
       }
     }
     for (int64_t p = count; p < kLanes; ++p) keys[p] = keys[0];
+    // The query heads' scores first, then their softmax updates side by side, then their outputs:
+    // each head's update is a chain of dependent steps (sums across lanes, max, exp) that the heads'
+    // FMAs could not hide when each head's update sat between its own dots and outputs.
+    alignas(64) float scores[G][kLanes], probs[G][kLanes];
     for (int g = 0; g < G; ++g) {
       vfloat dots[kLanes] = {};
       for (int j0 = 0; j0 < V; j0 += QBlock) {
@@ -379,25 +380,29 @@ void attend_one_narrow(T* out, const T* query, const Item<C>& item, const Item<C
 #pragma GCC unroll 4
           for (int j = 0; j < QBlock; ++j) dots[reversed(p)] += qs[j] * load(keys[p] + (j0 + j) * kLanes);
       }
-      vfloat scores = sum_each(dots);
-      if (cap > 0.f) scores = soft_cap(scores, cap);
-      for (int64_t p = count; p < kLanes; ++p) scores[p] = -INFINITY;
-      const float new_max = std::max(max[g], max_lanes(scores));
-      if (new_max > max[g]) {  // rescale only when the running max moves (rarely after the start)
-        const float correction = std::exp(max[g] - new_max);
-        sum[g] *= correction;
-        for (int j = 0; j < V; ++j) store(acc[g] + j * kLanes, load(acc[g] + j * kLanes) * correction);
-        max[g] = new_max;
-      }
-      alignas(64) float probs[kLanes];
-      const vfloat weights = exp_lanes(scores - new_max);
-      store(probs, weights);
-      sum[g] += sum_lanes(weights);
+      store(scores[g], sum_each(dots));
+    }
+    float correction[G];
+    for (int g = 0; g < G; ++g) {
+      vfloat lanes = load(scores[g]);
+      if (cap > 0.f) lanes = soft_cap(lanes, cap);
+      for (int64_t p = count; p < kLanes; ++p) lanes[p] = -INFINITY;
+      const float new_max = std::max(max[g], max_lanes(lanes));
+      // rescale only when the running max moves (rarely after the start)
+      correction[g] = new_max > max[g] ? std::exp(max[g] - new_max) : 1.f;
+      max[g] = new_max;
+      const vfloat weights = exp_lanes(lanes - new_max);
+      store(probs[g], weights);
+      sum[g] = sum[g] * correction[g] + sum_lanes(weights);
+    }
+    for (int g = 0; g < G; ++g) {
       for (int j0 = 0; j0 < V; j0 += OutBlock) {
         vfloat a[OutBlock];
         for (int j = 0; j < OutBlock; ++j) a[j] = load(acc[g] + (j0 + j) * kLanes);
+        if (correction[g] != 1.f)
+          for (int j = 0; j < OutBlock; ++j) a[j] *= correction[g];
         for (int64_t p = 0; p < count; ++p) {
-          const vfloat w = splat(probs[p]);
+          const vfloat w = splat(probs[g][p]);
 #pragma GCC unroll 8
           for (int j = 0; j < OutBlock; ++j) a[j] += w * load(values[p] + (j0 + j) * kLanes);
         }
