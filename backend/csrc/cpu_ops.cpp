@@ -16,7 +16,7 @@
 
 #include <omp.h>
 
-#if defined(__AVX512BF16__) || defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512BF16__) || defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -40,6 +40,16 @@ template <int H = kLanes / 2, typename Op> __attribute__((always_inline)) inline
 }
 inline float sum_lanes(vfloat v) { return reduce_lanes(v, [](vfloat a, vfloat b) { return a + b; }); }
 inline float max_lanes(vfloat v) { return reduce_lanes(v, [](vfloat a, vfloat b) { return a > b ? a : b; }); }
+// Whether any lane of a comparison's result is set: one movemask with 8 lanes of AVX, lanes ORed elsewhere.
+__attribute__((always_inline)) inline bool any_lane(vint mask) {
+#if defined(__AVX__) && !defined(__AVX512F__)
+  return _mm256_movemask_ps(reinterpret_cast<__m256>(mask)) != 0;
+#else
+  int32_t bits = 0;
+  for (int i = 0; i < kLanes; ++i) bits |= mask[i];
+  return bits != 0;
+#endif
+}
 
 constexpr int64_t kParallelElements = 1 << 16;  // smaller ops run on one thread: forking costs more
 // An item whose keys and values pass this is not prefetched while the one before it computes: a
@@ -332,15 +342,21 @@ void attend_one_narrow(T* out, const T* query, const Item<C>& item, const Item<C
   static_assert(V % QBlock == 0 && V % OutBlock == 0, "dim must be whole blocks of vectors");
   const C *key_cache = item.keys, *value_cache = item.values;
   const int64_t len = item.len;
-  alignas(64) float q[G][dim], acc[G][dim] = {};
-  float max[G], sum[G] = {};
+  // An 8-bit cache's chunk is widened once into float rows in L1 (4 KiB at 64 dims) that every query
+  // head then reads: read in place, each code was widened once per query head, G times. Where
+  // widening reorders a row's dims (kWidenInterleaves), the query is put in that order and the
+  // output back in the dims' (`plain`).
+  constexpr bool kStage = sizeof(C) == 1, kPermute = kStage && kWidenInterleaves<dim>;
+  alignas(64) float q[G][dim], acc[G][dim] = {}, plain[kPermute ? dim : 1];
+  float max[G];
+  vfloat sums[G] = {};
   for (int g = 0; g < G; ++g) {
-    for (int j = 0; j < V; ++j) store(q[g] + j * kLanes, load(query + g * dim + j * kLanes) * scale);
+    float* scaled = kPermute ? plain : q[g];
+    for (int j = 0; j < V; ++j) store(scaled + j * kLanes, load(query + g * dim + j * kLanes) * scale);
+    if constexpr (kPermute)
+      for (int64_t k = 0; k < dim; ++k) q[g][k] = plain[widened_dim(k)];
     max[g] = -INFINITY;
   }
-  // An 8-bit cache's chunk is widened once into float rows in L1 (4 KiB at 64 dims) that every query
-  // head then reads: read in place, each code was widened once per query head, G times.
-  constexpr bool kStage = sizeof(C) == 1;
   using K = std::conditional_t<kStage, float, C>;
   alignas(64) float staged[kStage ? 2 * kLanes * dim : 1];
   const C* rows[kLanes];
@@ -349,7 +365,12 @@ void attend_one_narrow(T* out, const T* query, const Item<C>& item, const Item<C
   const int64_t shift = next.begin - item.begin;
   for (int64_t start = item.begin; start < len; start += kLanes) {
     const int64_t count = std::min<int64_t>(len - start, kLanes);
-    for (int64_t p = 0; p < count; ++p) rows[p] = key_cache + row_of(item.table, start + p, block_size) * dim;
+    if ((start & (block_size - 1)) + count <= block_size) {  // the chunk in one block (as usual)
+      const C* first = key_cache + row_of(item.table, start, block_size) * dim;
+      for (int64_t p = 0; p < count; ++p) rows[p] = first + p * dim;
+    } else {
+      for (int64_t p = 0; p < count; ++p) rows[p] = key_cache + row_of(item.table, start + p, block_size) * dim;
+    }
     prefetch_after_jump(item, start + kLanes, block_size, dim);
     prefetch_rows<2>(next, start + shift, block_size, dim);
     if constexpr (kStage) {
@@ -387,13 +408,15 @@ void attend_one_narrow(T* out, const T* query, const Item<C>& item, const Item<C
       vfloat lanes = load(scores[g]);
       if (cap > 0.f) lanes = soft_cap(lanes, cap);
       for (int64_t p = count; p < kLanes; ++p) lanes[p] = -INFINITY;
-      const float new_max = std::max(max[g], max_lanes(lanes));
-      // rescale only when the running max moves (rarely after the start)
-      correction[g] = new_max > max[g] ? std::exp(max[g] - new_max) : 1.f;
-      max[g] = new_max;
-      const vfloat weights = exp_lanes(lanes - new_max);
+      correction[g] = 1.f;
+      if (any_lane(lanes > max[g])) {  // the running max moves (rarely after the start): rescale
+        const float new_max = max_lanes(lanes);
+        correction[g] = std::exp(max[g] - new_max);
+        max[g] = new_max;
+      }
+      const vfloat weights = exp_lanes(lanes - max[g]);
       store(probs[g], weights);
-      sum[g] = sum[g] * correction[g] + sum_lanes(weights);
+      sums[g] = sums[g] * correction[g] + weights;  // summed across lanes once, at the end
     }
     for (int g = 0; g < G; ++g) {
       for (int j0 = 0; j0 < V; j0 += OutBlock) {
@@ -412,9 +435,14 @@ void attend_one_narrow(T* out, const T* query, const Item<C>& item, const Item<C
   }
   for (int64_t start = len + shift; start < next.len; start += kLanes) prefetch_rows<2>(next, start, block_size, dim);
   for (int g = 0; g < G; ++g) {
-    float inverse = 1.f / sum[g];
+    float inverse = 1.f / sum_lanes(sums[g]);
     if constexpr (!std::is_same_v<T, C>) inverse *= item.value_scale;
-    for (int j = 0; j < V; ++j) store(out + g * dim + j * kLanes, load(acc[g] + j * kLanes) * inverse);
+    const float* dims = acc[g];
+    if constexpr (kPermute) {
+      for (int64_t k = 0; k < dim; ++k) plain[widened_dim(k)] = acc[g][k];
+      dims = plain;
+    }
+    for (int j = 0; j < V; ++j) store(out + g * dim + j * kLanes, load(dims + j * kLanes) * inverse);
   }
 }
 
