@@ -40,9 +40,11 @@ template <int H = kLanes / 2, typename Op> __attribute__((always_inline)) inline
 }
 inline float sum_lanes(vfloat v) { return reduce_lanes(v, [](vfloat a, vfloat b) { return a + b; }); }
 inline float max_lanes(vfloat v) { return reduce_lanes(v, [](vfloat a, vfloat b) { return a > b ? a : b; }); }
-// Whether any lane of a comparison's result is set: one movemask with 8 lanes of AVX, lanes ORed elsewhere.
+// Whether any lane of a comparison's result is set: one instruction on AVX and AVX-512, lanes ORed elsewhere.
 __attribute__((always_inline)) inline bool any_lane(vint mask) {
-#if defined(__AVX__) && !defined(__AVX512F__)
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask(reinterpret_cast<__m512i>(mask), reinterpret_cast<__m512i>(mask)) != 0;
+#elif defined(__AVX__)
   return _mm256_movemask_ps(reinterpret_cast<__m256>(mask)) != 0;
 #else
   int32_t bits = 0;
@@ -572,7 +574,8 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
   __m512bh q[G][W];
   __m512 low[G][W], high[G][W];  // 16 dims each per 32: per 128-bit lane, dims 0-3 and 4-7 of its 8
   vfloat dots[G][kLanes];
-  float max[G], sum[G] = {};
+  float max[G];
+  vfloat sums[G] = {};
   alignas(64) uint32_t pairs[G][kLanes / 2];  // the chunk's probabilities, two bf16 per position pair
 #if defined(__AVX512VBMI__)
   [[maybe_unused]] const std::conditional_t<kByteTables<C>, ByteWidener<C>, NoWidener> widen{};
@@ -628,19 +631,19 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
       vfloat scores = sum_each(dots[g]) * scale;
       if (cap > 0.f) scores = soft_cap(scores, cap);
       for (int64_t p = count; p < kLanes; ++p) scores[p] = -INFINITY;
-      const float new_max = std::max(max[g], max_lanes(scores));
-      if (new_max > max[g]) {  // rescale only when the running max moves (rarely after the start)
+      if (any_lane(scores > max[g])) {  // rescale only when the running max moves (rarely after the start)
+        const float new_max = max_lanes(scores);
         const float correction = std::exp(max[g] - new_max);
-        sum[g] *= correction;
+        sums[g] *= correction;
         for (int w = 0; w < W; ++w) {
           low[g][w] = _mm512_mul_ps(low[g][w], _mm512_set1_ps(correction));
           high[g][w] = _mm512_mul_ps(high[g][w], _mm512_set1_ps(correction));
         }
         max[g] = new_max;
       }
-      vfloat probs = round_to<bf16>(exp_lanes(scores - new_max));
+      vfloat probs = round_to<bf16>(exp_lanes(scores - max[g]));
       for (int64_t p = count; p < kLanes; ++p) probs[p] = 0.f;
-      sum[g] += sum_lanes(probs);
+      sums[g] += probs;  // summed across lanes once, at the end
       _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[g]), (__m256i)_mm512_cvtneps_pbh((__m512)probs));
     }
     for (int64_t p = 0; p < count; p += 2) {
@@ -689,7 +692,7 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
     const __m512i halves_0 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
     const __m512i halves_1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     for (int g = 0; g < G; ++g) {
-      const vfloat inverse = splat(item.value_scale / sum[g]);
+      const vfloat inverse = splat(item.value_scale / sum_lanes(sums[g]));
       for (int w = 0; w < W; w += 2) {
         bf16* dims = out + g * dim + w * 32;
         for (int half = 0; half < 2; ++half) {  // dims 0-31, then 32-63
@@ -707,7 +710,8 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
   const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int g = 0; g < G; ++g) {
-    const vfloat inverse = splat(std::is_same_v<C, bf16> ? 1.f / sum[g] : item.value_scale / sum[g]);
+    const float sum = sum_lanes(sums[g]);
+    const vfloat inverse = splat(std::is_same_v<C, bf16> ? 1.f / sum : item.value_scale / sum);
     for (int w = 0; w < W; ++w) {
       store(out + g * dim + w * 32, (vfloat)_mm512_permutex2var_ps(low[g][w], first_half, high[g][w]) * inverse);
       store(out + g * dim + w * 32 + 16, (vfloat)_mm512_permutex2var_ps(low[g][w], second_half, high[g][w]) * inverse);
