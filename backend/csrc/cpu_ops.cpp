@@ -274,8 +274,8 @@ void attend_one(T* out, const T* query, const Item<C>& item, const Item<C>& next
   constexpr int64_t dim = V * kLanes;
   const C *key_cache = item.keys, *value_cache = item.values;
   const int64_t len = item.len;
-  vfloat q[G][V], acc[G][V] = {}, dots[G][kLanes];
-  float max[G], sum[G] = {};
+  vfloat q[G][V], acc[G][V] = {}, dots[G][kLanes], sums[G] = {};
+  float max[G];
   for (int g = 0; g < G; ++g) {
     for (int j = 0; j < V; ++j) q[g][j] = load(query + g * dim + j * kLanes);
     max[g] = -INFINITY;
@@ -302,13 +302,15 @@ void attend_one(T* out, const T* query, const Item<C>& item, const Item<C>& next
       vfloat scores = sum_each(dots[g]) * scale;
       if (cap > 0.f) scores = soft_cap(scores, cap);
       for (int64_t p = count; p < kLanes; ++p) scores[p] = -INFINITY;
-      float new_max = std::max(max[g], max_lanes(scores));
-      float correction = std::exp(max[g] - new_max);
-      probs[g] = exp_lanes(scores - new_max);
-      for (int64_t p = count; p < kLanes; ++p) probs[g][p] = 0.f;
-      sum[g] = sum[g] * correction + sum_lanes(probs[g]);
-      max[g] = new_max;
-      for (int j = 0; j < V; ++j) acc[g][j] *= correction;
+      if (any_lane(scores > max[g])) {  // the running max moves (rarely after the start): rescale
+        const float new_max = max_lanes(scores);
+        const float correction = std::exp(max[g] - new_max);
+        max[g] = new_max;
+        sums[g] *= correction;
+        for (int j = 0; j < V; ++j) acc[g][j] *= correction;
+      }
+      probs[g] = exp_lanes(scores - max[g]);  // e^-87 past `count`: nothing beside the max's 1
+      sums[g] += probs[g];  // summed across lanes once, at the end
     }
     for (int64_t p = 0; p < count; ++p) {
       const C* value = value_cache + (keys[p] - key_cache);
@@ -319,11 +321,11 @@ void attend_one(T* out, const T* query, const Item<C>& item, const Item<C>& next
     }
   }
   for (int64_t start = len + shift; start < next.len; start += kLanes) prefetch_rows<2>(next, start, block_size, dim);
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < V; ++j) {
-      if constexpr (std::is_same_v<T, C>) store(out + g * dim + j * kLanes, acc[g][j] / sum[g]);
-      else store(out + g * dim + j * kLanes, acc[g][j] / sum[g] * item.value_scale);
-    }
+  for (int g = 0; g < G; ++g) {
+    float inverse = 1.f / sum_lanes(sums[g]);
+    if constexpr (!std::is_same_v<T, C>) inverse *= item.value_scale;
+    for (int j = 0; j < V; ++j) store(out + g * dim + j * kLanes, acc[g][j] * inverse);
+  }
 }
 
 // attend_one for targets with 16 vector registers of 8 or 4 floats (AVX2, SSE; NEON has 32): the
