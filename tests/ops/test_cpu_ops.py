@@ -120,6 +120,51 @@ def test_decode_attention_over_long_contexts_matches_reference(dtype):
     check_decode_attention(dtype, 9, 3, 64, [40, 3000, 1100, 7, 2049], num_blocks=400)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("trend", [1.0, -1.0])
+@pytest.mark.parametrize("drift", [30.0, 120.0])
+def test_decode_attention_matches_reference_as_the_running_max_moves(dtype, trend, drift):
+    """Scores that rise along the positions (each key gets a growing share of its query heads' sum):
+    the kernels' running max then moves in every chunk, the partial last one included, and each move
+    rescales the accumulators and the denominator kept in lanes. Falling scores: it never moves after
+    the first chunk. Random scores leave both cases mostly untested (the max rarely moves late). A
+    drift of 30 in the scaled scores keeps every chunk's weights in the sum; 120 passes exp's range, so
+    a max that failed to move would overflow."""
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 40
+    group = heads // kv_heads
+    lens = [250, 17, 33, 1]
+    width = -(-max(lens) // block_size)
+    blocks = torch.randperm(num_blocks)  # disjoint blocks per sequence: each gets its own trend
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(lens):
+        count = -(-n // block_size)
+        tables[s, :count] = blocks[used:used + count]
+        used += count
+    query = torch.randn(len(lens), heads, head_dim)
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim)
+    for s, n in enumerate(lens):
+        for kvh in range(kv_heads):
+            direction = query[s, kvh * group:(kvh + 1) * group].sum(0) / group
+            for pos in range(n):
+                # the scaled scores drift by about `drift` over the sequence (|direction|^2 / 8 ~ 8 / 3)
+                shift = trend * drift * 3 / 8 * pos / n
+                cache[0, kvh, tables[s, pos // block_size], pos % block_size] += shift * direction
+    query, cache = query.to(dtype), cache.to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    rows = torch.arange(len(lens), dtype=torch.int32)
+    actual = cpu_ops.paged_attention(query, cache, tables, rows, lens_t, head_dim ** -0.5)
+    # in float64 over the same (rounded) inputs: the bfloat16 reference rounds the scores to bfloat16,
+    # ~6% of a weight at scores near 30, and lands 0.03 off where the kernel is within 0.005
+    expected = reference.paged_attention_decode_reference(query.double(), *cache_views(cache.double()), tables,
+                                                          lens_t, head_dim ** -0.5)
+    if dtype == torch.float32 and drift > 30:  # scores near 120 round at ~1e-5: 2.7e-5 off without FMAs
+        torch.testing.assert_close(actual.double(), expected, atol=1e-4, rtol=1e-4)
+    else:
+        close(actual, expected, dtype)
+
+
 def test_decode_attention_ignores_blocks_beyond_each_sequence():
     """Padding entries of the block table and slots past seq_len may hold anything, even NaN."""
     torch.manual_seed(0)
