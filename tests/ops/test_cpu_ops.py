@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from backend.ops import cpu_ops
 from backend.ops.attention import cache_views
 from backend.kernels import reference
+from tests.utils.kernels import block_tables_for
 
 # Without a compiler the references run instead; with one, a failed build is a failure here.
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None and not os.environ.get("CXX"),
@@ -134,14 +135,7 @@ def test_decode_attention_matches_reference_as_the_running_max_moves(dtype, tren
     heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 40
     group = heads // kv_heads
     lens = [250, 17, 33, 1]
-    width = -(-max(lens) // block_size)
-    blocks = torch.randperm(num_blocks)  # disjoint blocks per sequence: each gets its own trend
-    tables = torch.zeros(len(lens), width, dtype=torch.int32)
-    used = 0
-    for s, n in enumerate(lens):
-        count = -(-n // block_size)
-        tables[s, :count] = blocks[used:used + count]
-        used += count
+    tables = block_tables_for(lens, block_size, num_blocks).cpu()  # distinct blocks: each its own trend
     query = torch.randn(len(lens), heads, head_dim)
     cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim)
     for s, n in enumerate(lens):
