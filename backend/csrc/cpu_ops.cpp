@@ -53,6 +53,18 @@ __attribute__((always_inline)) inline bool any_lane(vint mask) {
 #endif
 }
 
+// The online softmax's step for a chunk's scores: where a lane passes the running max, the max moves
+// to the chunk's and the denominator kept in lanes is rescaled; returns the factor for what else was
+// summed so far (1 where the max stayed, as it mostly does after the start).
+__attribute__((always_inline)) inline float move_max(vfloat scores, float& max, vfloat& sums) {
+  if (!any_lane(scores > max)) return 1.f;
+  const float new_max = max_lanes(scores);
+  const float correction = std::exp(max - new_max);
+  max = new_max;
+  sums *= correction;
+  return correction;
+}
+
 constexpr int64_t kParallelElements = 1 << 16;  // smaller ops run on one thread: forking costs more
 // An item whose keys and values pass this is not prefetched while the one before it computes: a
 // quarter of the smallest L2 we run on (1 MiB a core: AMD Zen 4, older Xeons; 2 MiB: Sapphire Rapids).
@@ -302,13 +314,9 @@ void attend_one(T* out, const T* query, const Item<C>& item, const Item<C>& next
       vfloat scores = sum_each(dots[g]) * scale;
       if (cap > 0.f) scores = soft_cap(scores, cap);
       for (int64_t p = count; p < kLanes; ++p) scores[p] = -INFINITY;
-      if (any_lane(scores > max[g])) {  // the running max moves (rarely after the start): rescale
-        const float new_max = max_lanes(scores);
-        const float correction = std::exp(max[g] - new_max);
-        max[g] = new_max;
-        sums[g] *= correction;
+      const float correction = move_max(scores, max[g], sums[g]);
+      if (correction != 1.f)
         for (int j = 0; j < V; ++j) acc[g][j] *= correction;
-      }
       probs[g] = exp_lanes(scores - max[g]);  // e^-87 past `count`: nothing beside the max's 1
       sums[g] += probs[g];  // summed across lanes once, at the end
     }
@@ -412,15 +420,10 @@ void attend_one_narrow(T* out, const T* query, const Item<C>& item, const Item<C
       vfloat lanes = load(scores[g]);
       if (cap > 0.f) lanes = soft_cap(lanes, cap);
       for (int64_t p = count; p < kLanes; ++p) lanes[p] = -INFINITY;
-      correction[g] = 1.f;
-      if (any_lane(lanes > max[g])) {  // the running max moves (rarely after the start): rescale
-        const float new_max = max_lanes(lanes);
-        correction[g] = std::exp(max[g] - new_max);
-        max[g] = new_max;
-      }
+      correction[g] = move_max(lanes, max[g], sums[g]);
       const vfloat weights = exp_lanes(lanes - max[g]);
       store(probs[g], weights);
-      sums[g] = sums[g] * correction[g] + weights;  // summed across lanes once, at the end
+      sums[g] += weights;  // summed across lanes once, at the end
     }
     for (int g = 0; g < G; ++g) {
       for (int j0 = 0; j0 < V; j0 += OutBlock) {
@@ -633,16 +636,12 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
       vfloat scores = sum_each(dots[g]) * scale;
       if (cap > 0.f) scores = soft_cap(scores, cap);
       for (int64_t p = count; p < kLanes; ++p) scores[p] = -INFINITY;
-      if (any_lane(scores > max[g])) {  // rescale only when the running max moves (rarely after the start)
-        const float new_max = max_lanes(scores);
-        const float correction = std::exp(max[g] - new_max);
-        sums[g] *= correction;
+      const float correction = move_max(scores, max[g], sums[g]);
+      if (correction != 1.f)
         for (int w = 0; w < W; ++w) {
           low[g][w] = _mm512_mul_ps(low[g][w], _mm512_set1_ps(correction));
           high[g][w] = _mm512_mul_ps(high[g][w], _mm512_set1_ps(correction));
         }
-        max[g] = new_max;
-      }
       vfloat probs = round_to<bf16>(exp_lanes(scores - max[g]));
       for (int64_t p = count; p < kLanes; ++p) probs[p] = 0.f;
       sums[g] += probs;  // summed across lanes once, at the end
