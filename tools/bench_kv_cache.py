@@ -3,6 +3,7 @@ speed at long positions and memory. Prints markdown tables with ratios; a tool, 
 
     python -m tools.bench_kv_cache accuracy [--dtype bfloat16] [--max-tokens 32]
     python -m tools.bench_kv_cache kernel [--context 8192] [--seqs 4] [--dtype float32,bfloat16]
+                                         [--layers 1] [--layout random|ascending|descending]
     python -m tools.bench_kv_cache decode [--context 8000] [--seqs 4] [--max-tokens 32] [--dtype float32,bfloat16]
 
 accuracy: greedy tokens of each prompt (tests/utils/prompts.py and a held-out text) with each cache:
@@ -11,7 +12,11 @@ error: the float cache's greedy continuation scored under each cache (teacher fo
 logprobs), |logprob - float's| over those tokens, mean and max.
 kernel: one layer's decode attention (SmolLM2's 9 query heads over 3 KV heads of 64) for `--seqs`
 sequences at `--context` positions on random blocks, the C++ kernel over each cache; ms a call,
-the median of alternating rounds.
+the median of alternating rounds. `--layers 30` gives each of 30 layers its own cache (on huge
+pages, as the engine's) and calls them in turn, as a step does: past the last-level cache, the
+blocks come from memory. `--layout` orders each sequence's blocks: random, ascending (a fresh
+engine's) or descending (what the least recently used blocks were before new blocks of a step
+were put in ascending order).
 decode: the engine: `--seqs` distinct prompts of `--context` tokens, then `--max-tokens` greedy tokens
 each; the median step in which every sequence decodes (prefills are left out; rounds after the first
 find the prompts in the prefix cache), the median of alternating rounds. With one sequence the
@@ -78,38 +83,49 @@ def common_prefix(ours: list[int], theirs: list[int]) -> int:
 def kernel(args) -> None:
     import torch
 
+    from backend.core.kv_memory import resident_zeros
     from backend.kernels.reference import quantize_kv
     from backend.ops import cpu_ops
 
     heads, kv_heads, dim, block_size = 9, 3, 64, 16
     blocks_per_seq = -(-args.context // block_size)
     num_blocks = blocks_per_seq * args.seqs + 8
-    print(f"\ndecode attention, one layer: {args.seqs} sequences x {args.context} positions, {heads} heads over "
-          f"{kv_heads} KV heads of {dim}, random blocks; ms a call (median of {args.rounds} alternating rounds)\n")
-    print("| activations | cache | KV bytes read | ms | speed-up vs the float cache |")
-    print("|---|---|---:|---:|---:|")
+    layers = "one layer" if args.layers == 1 else f"{args.layers} layers in turn"
+    print(f"\ndecode attention, {layers}: {args.seqs} sequences x {args.context} positions, {heads} heads over "
+          f"{kv_heads} KV heads of {dim}, {args.layout} blocks; ms a layer (median of {args.rounds} alternating rounds)\n")
+    print("| activations | cache | KV bytes read a layer | ms | GB/s | speed-up vs the float cache |")
+    print("|---|---|---:|---:|---:|---:|")
+    order = {"random": torch.randperm(num_blocks), "ascending": torch.arange(num_blocks),
+             "descending": torch.arange(num_blocks).flip(0)}[args.layout]
+    tables = order[:blocks_per_seq * args.seqs].view(args.seqs, -1).to(torch.int32)
+    rows = torch.arange(args.seqs, dtype=torch.int32)
+    lens = torch.full((args.seqs,), args.context, dtype=torch.int32)
     for dtype_name in args.dtype.split(","):
         dtype = getattr(torch, dtype_name)
         torch.manual_seed(0)
-        values = torch.randn(2, kv_heads, num_blocks, block_size, dim)
-        caches = {"auto": values.to(dtype), "fp8": quantize_kv(values, torch.float8_e4m3fn),
-                  "fp8_e5m2": quantize_kv(values, torch.float8_e5m2)}
-        tables = torch.randperm(num_blocks)[:blocks_per_seq * args.seqs].view(args.seqs, -1).to(torch.int32)
         query = torch.randn(args.seqs, heads, dim, dtype=dtype)
-        rows = torch.arange(args.seqs, dtype=torch.int32)
-        lens = torch.full((args.seqs,), args.context, dtype=torch.int32)
+        caches: dict[str, list[torch.Tensor]] = {"auto": [], "fp8": [], "fp8_e5m2": []}
+        for _ in range(args.layers):
+            values = torch.randn(2, kv_heads, num_blocks, block_size, dim)
+            for kv, stored in (("auto", values.to(dtype)), ("fp8", quantize_kv(values, torch.float8_e4m3fn)),
+                               ("fp8_e5m2", quantize_kv(values, torch.float8_e5m2))):
+                cache = resident_zeros(stored.shape, stored.dtype) if args.layers > 1 else stored
+                caches[kv].append(cache.copy_(stored))
         times: dict[str, list[float]] = {kv: [] for kv in caches}
         for _ in range(args.rounds):
-            for kv, cache in caches.items():
+            for kv, per_layer in caches.items():
                 start = time.perf_counter()
                 for _ in range(args.calls):
-                    cpu_ops.paged_attention(query, cache, tables, rows, lens, dim ** -0.5)
-                times[kv].append((time.perf_counter() - start) / args.calls * 1e3)
+                    for cache in per_layer:
+                        cpu_ops.paged_attention(query, cache, tables, rows, lens, dim ** -0.5)
+                times[kv].append((time.perf_counter() - start) / (args.calls * args.layers) * 1e3)
         base = statistics.median(times["auto"])
-        for kv, cache in caches.items():
+        for kv, per_layer in caches.items():
             ms = statistics.median(times[kv])
-            read = 2 * kv_heads * args.seqs * args.context * dim * cache.element_size()
-            print(f"| {dtype_name} | {kv} | {read / 2**20:.1f} MiB | {ms:.2f} | {base / ms:.2f}x |")
+            read = 2 * kv_heads * args.seqs * args.context * dim * per_layer[0].element_size()
+            print(f"| {dtype_name} | {kv} | {read / 2**20:.1f} MiB | {ms:.3f} | {read / ms / 1e6:.1f} | {base / ms:.2f}x |")
+        del caches
+        gc.collect()
 
 
 def decode(args) -> None:
@@ -166,6 +182,9 @@ def main() -> int:
     parser.add_argument("--seqs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=1, help="kernel: caches called in turn, one per layer")
+    parser.add_argument("--layout", choices=["random", "ascending", "descending"], default="random",
+                        help="kernel: the order of each sequence's blocks")
     args = parser.parse_args()
     if args.model is None:
         from backend.model_paths import resolve_model_path

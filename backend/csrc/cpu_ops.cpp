@@ -262,13 +262,17 @@ __attribute__((always_inline)) inline void prefetch_rows(const Item<T>& item, in
 // there, and each row would otherwise wait on memory. Contiguous blocks are left to it (asking for
 // those too, or asking 2-3 chunks ahead, measured slower, with either attention kernel). 64 decodes
 // of 192 positions, random blocks over 136 MB: 1.6-1.7 -> 1.3-1.5 ms a layer (float32-widening
-// kernel); consecutive blocks unchanged. The exception: a long item of an 8-bit cache, which reads
-// too few bytes a position for the hardware to stream it ahead, asks kAheadChunks ahead (L2).
-template <typename T>
+// kernel); consecutive blocks unchanged. The exception: a long item (past kMaxPrefetchBytes) also
+// asks kAheadChunks ahead (L2), as the hardware does not stream it fast enough alone: an 8-bit
+// cache's, which reads too few bytes a position, and with the AVX-512 kernels (`AheadWide`) a 16- or
+// 32-bit cache's. 30 layers of 8 decodes over 2,064 positions in ascending blocks (bfloat16, 365 MB):
+// 0.85-0.86 -> 0.74-0.77 ms a layer; float32 1.40-1.43 -> 1.23; other block orders the same. AVX2's
+// kernel streams those at 1.0 ms without, 1.27 with (docs/benchmarks.md, "Decode attention from memory").
+template <bool AheadWide, typename T>
 __attribute__((always_inline)) inline void prefetch_after_jump(const Item<T>& item, int64_t next, int64_t block_size,
                                                                int64_t dim) {
-  if constexpr (sizeof(T) == 1) {
-    if ((item.len - item.begin) * 2 * dim > kMaxPrefetchBytes)
+  if constexpr (AheadWide || sizeof(T) == 1) {
+    if ((item.len - item.begin) * 2 * dim * int64_t(sizeof(T)) > kMaxPrefetchBytes)
       prefetch_rows<2>(item, next + kAheadChunks * kLanes, block_size, dim);
   }
   if (next >= item.len || row_of(item.table, next, block_size) == row_of(item.table, next - 1, block_size) + 1) return;
@@ -298,7 +302,7 @@ void attend_one(T* out, const T* query, const Item<C>& item, const Item<C>& next
   for (int64_t start = item.begin; start < len; start += kLanes) {
     const int64_t count = std::min<int64_t>(len - start, kLanes);
     for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(item.table, start + p, block_size) * dim;
-    prefetch_after_jump(item, start + kLanes, block_size, dim);
+    prefetch_after_jump<true>(item, start + kLanes, block_size, dim);
     prefetch_rows<2>(next, start + shift, block_size, dim);
     for (int64_t p = 0; p < kLanes; ++p) {  // each query head's kLanes partial dot products per position
       vfloat partial[G] = {};
@@ -383,7 +387,7 @@ void attend_one_narrow(T* out, const T* query, const Item<C>& item, const Item<C
     } else {
       for (int64_t p = 0; p < count; ++p) rows[p] = key_cache + row_of(item.table, start + p, block_size) * dim;
     }
-    prefetch_after_jump(item, start + kLanes, block_size, dim);
+    prefetch_after_jump<false>(item, start + kLanes, block_size, dim);
     prefetch_rows<2>(next, start + shift, block_size, dim);
     if constexpr (kStage) {
       for (int64_t p = 0; p < count; ++p) {
@@ -602,7 +606,7 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
   for (int64_t start = item.begin; start < len; start += kLanes) {
     const int64_t count = std::min<int64_t>(len - start, kLanes);
     for (int64_t p = 0; p < count; ++p) keys[p] = key_cache + row_of(item.table, start + p, block_size) * dim;
-    prefetch_after_jump(item, start + kLanes, block_size, dim);
+    prefetch_after_jump<true>(item, start + kLanes, block_size, dim);
     prefetch_rows<2>(next, start + shift, block_size, dim);
 #if defined(__AVX512VBMI__)
     if constexpr (kByteTables<C>) {
