@@ -185,8 +185,11 @@ class KVCacheManager:
             request.block_hashes.append(block_hash)
             self.loads.append((entry.slot, block.block_id))
         request.num_computed_tokens += num_cached_tokens
-        for _ in range(max(num_new_blocks - len(offloaded), 0)):
-            request.block_table.append(self._take_free_block())
+        # In ascending order, so that a prompt's keys and values run forward through memory where
+        # the blocks are adjacent, as the hardware prefetcher streams them: freed blocks come back
+        # tail first, so the least recently used are mostly runs in descending order.
+        request.block_table.extend(sorted(self._take_free_block()
+                                          for _ in range(max(num_new_blocks - len(offloaded), 0))))
         return True
 
     def _take_free_block(self) -> int:

@@ -73,3 +73,19 @@ def test_freed_tail_is_evicted_before_shared_head():
     assert kv.allocate_slots(newcomer, 2)
     assert newcomer.block_table == [tail]
     assert kv.find_cached_prefix(make(range(5)))[:1] == [head]
+
+
+def test_blocks_taken_in_one_step_ascend_though_the_evicted_come_back_tail_first():
+    """Freed cached blocks are evicted tail first, which hands the least recently used out in
+    descending runs; a request's new blocks of one step are put in ascending order instead, so that
+    its keys and values run forward through memory (the attention kernels stream them faster)."""
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    first = make(range(16))
+    compute(kv, first, 16)
+    assert first.block_table == list(range(8))
+    kv.free(first)  # all cached: back in the queue tail first, 7, 6, ..., 0
+    second = make(range(100, 112))
+    compute(kv, second, 8)
+    assert second.block_table == [4, 5, 6, 7]  # the four least recently used, ascending
+    compute(kv, second, 4)
+    assert second.block_table == [4, 5, 6, 7, 2, 3]
