@@ -69,9 +69,10 @@ constexpr int64_t kParallelElements = 1 << 16;  // smaller ops run on one thread
 // An item whose keys and values pass this is not prefetched while the one before it computes: a
 // quarter of the smallest L2 we run on (1 MiB a core: AMD Zen 4, older Xeons; 2 MiB: Sapphire Rapids).
 constexpr int64_t kMaxPrefetchBytes = 256 << 10;
-// An 8-bit cache's item past kMaxPrefetchBytes asks for its own rows this many chunks ahead (into
-// L2) as it goes: nothing prefetched it, and its one cache line a position left each chunk waiting
-// on memory (docs/benchmarks.md, "8-bit KV cache"). 2, 8 and 16 chunks measured the same.
+// An item past kMaxPrefetchBytes asks for its own rows this many chunks ahead (into L2) as it goes
+// (`prefetch_after_jump`): nothing prefetched it, and an 8-bit cache's one cache line a position left
+// each chunk waiting on memory (docs/benchmarks.md, "8-bit KV cache"). 2, 8 and 16 chunks measured
+// the same there.
 constexpr int64_t kAheadChunks = 4;
 
 // norm(x) * weight; with a residual, residual_out = x + residual first and the norm of that.
@@ -234,6 +235,9 @@ struct Item {
   int64_t len = 0;
   int64_t begin = 0;
   float value_scale = 1.f;  // an 8-bit cache's: the output's factor (unused for a float cache)
+
+  // Whether its keys and values pass kMaxPrefetchBytes (at `dim` elements a row).
+  bool is_long(int64_t dim) const { return (len - begin) * 2 * dim * int64_t(sizeof(T)) > kMaxPrefetchBytes; }
 };
 
 // A logit soft cap (Gemma 2's): scores become cap * tanh(scores / cap), with tanh(x) as
@@ -272,7 +276,7 @@ template <bool AheadWide, typename T>
 __attribute__((always_inline)) inline void prefetch_after_jump(const Item<T>& item, int64_t next, int64_t block_size,
                                                                int64_t dim) {
   if constexpr (AheadWide || sizeof(T) == 1) {
-    if ((item.len - item.begin) * 2 * dim * int64_t(sizeof(T)) > kMaxPrefetchBytes)
+    if (item.is_long(dim))
       prefetch_rows<2>(item, next + kAheadChunks * kLanes, block_size, dim);
   }
   if (next >= item.len || row_of(item.table, next, block_size) == row_of(item.table, next - 1, block_size) + 1) return;
@@ -810,7 +814,7 @@ void paged_attention(T* out, const T* query, const C* cache, const int32_t* bloc
     const int64_t t = item / kv_heads;
     if (item >= items || (t > 0 && token_rows[t] == token_rows[t - 1])) return Item<C>{};
     const Item<C> next = item_at(item);
-    return (next.len - next.begin) * 2 * dim * int64_t(sizeof(C)) > kMaxPrefetchBytes ? Item<C>{} : next;
+    return next.is_long(dim) ? Item<C>{} : next;
   };
   // Dynamic scheduling by hand: a thread claims its next item before computing the current one,
   // so that it knows what to prefetch.
