@@ -95,6 +95,7 @@ def kernel(args) -> None:
           f"{kv_heads} KV heads of {dim}, {args.layout} blocks; ms a layer (median of {args.rounds} alternating rounds)\n")
     print("| activations | cache | KV bytes read a layer | ms | GB/s | speed-up vs the float cache |")
     print("|---|---|---:|---:|---:|---:|")
+    torch.manual_seed(0)
     order = {"random": torch.randperm(num_blocks), "ascending": torch.arange(num_blocks),
              "descending": torch.arange(num_blocks).flip(0)}[args.layout]
     tables = order[:blocks_per_seq * args.seqs].view(args.seqs, -1).to(torch.int32)
