@@ -12,7 +12,7 @@ error: the float cache's greedy continuation scored under each cache (teacher fo
 logprobs), |logprob - float's| over those tokens, mean and max.
 kernel: one layer's decode attention (SmolLM2's 9 query heads over 3 KV heads of 64) for `--seqs`
 sequences at `--context` positions on random blocks, the C++ kernel over each cache; ms a call,
-the median of alternating rounds. `--layers 30` gives each of 30 layers its own cache (on huge
+the median of alternating rounds; bfloat16 where decodes score on AMX, with and without it. `--layers 30` gives each of 30 layers its own cache (on huge
 pages, as the engine's) and calls them in turn, as a step does: past the last-level cache, the
 blocks come from memory. `--layout` orders each sequence's blocks: random, ascending (a fresh
 engine's) or descending (what the least recently used blocks were before new blocks of a step
@@ -93,8 +93,10 @@ def kernel(args) -> None:
     layers = "one layer" if args.layers == 1 else f"{args.layers} layers in turn"
     print(f"\ndecode attention, {layers}: {args.seqs} sequences x {args.context} positions, {heads} heads over "
           f"{kv_heads} KV heads of {dim}, {args.layout} blocks; ms a layer (median of {args.rounds} alternating rounds)\n")
-    print("| activations | cache | KV bytes read a layer | ms | GB/s | speed-up vs the float cache |")
-    print("|---|---|---:|---:|---:|---:|")
+    # Where bfloat16 decodes score on AMX, each cache is timed with and without (alternating).
+    amx_modes = [True, False] if cpu_ops.decode_on_amx() else [False]
+    print("| activations | cache | scores | KV bytes read a layer | ms | GB/s | speed-up vs the float cache |")
+    print("|---|---|---|---:|---:|---:|---:|")
     torch.manual_seed(0)
     order = {"random": torch.randperm(num_blocks), "ascending": torch.arange(num_blocks),
              "descending": torch.arange(num_blocks).flip(0)}[args.layout]
@@ -112,19 +114,24 @@ def kernel(args) -> None:
                                ("fp8_e5m2", quantize_kv(values, torch.float8_e5m2))):
                 cache = resident_zeros(stored.shape, stored.dtype) if args.layers > 1 else stored
                 caches[kv].append(cache.copy_(stored))
-        times: dict[str, list[float]] = {kv: [] for kv in caches}
+        modes = amx_modes if dtype == torch.bfloat16 else [False]
+        times: dict[tuple[str, bool], list[float]] = {(kv, amx): [] for kv in caches for amx in modes}
         for _ in range(args.rounds):
-            for kv, per_layer in caches.items():
+            for kv, amx in times:
+                cpu_ops.decode_on_amx(amx)
                 start = time.perf_counter()
                 for _ in range(args.calls):
-                    for cache in per_layer:
+                    for cache in caches[kv]:
                         cpu_ops.paged_attention(query, cache, tables, rows, lens, dim ** -0.5)
-                times[kv].append((time.perf_counter() - start) / (args.calls * args.layers) * 1e3)
-        base = statistics.median(times["auto"])
-        for kv, per_layer in caches.items():
-            ms = statistics.median(times[kv])
-            read = 2 * kv_heads * args.seqs * args.context * dim * per_layer[0].element_size()
-            print(f"| {dtype_name} | {kv} | {read / 2**20:.1f} MiB | {ms:.3f} | {read / ms / 1e6:.1f} | {base / ms:.2f}x |")
+                times[kv, amx].append((time.perf_counter() - start) / (args.calls * args.layers) * 1e3)
+        cpu_ops.decode_on_amx(True)
+        base = statistics.median(times["auto", modes[0]])
+        for kv, amx in times:
+            ms = statistics.median(times[kv, amx])
+            read = 2 * kv_heads * args.seqs * args.context * dim * caches[kv][0].element_size()
+            scores = "AMX" if amx else "vector"
+            print(f"| {dtype_name} | {kv} | {scores} | {read / 2**20:.1f} MiB | {ms:.3f} | {read / ms / 1e6:.1f} | "
+                  f"{base / ms:.2f}x |")
         del caches
         gc.collect()
 

@@ -38,12 +38,7 @@
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define TRITONLLM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+#include "amx.h"
 #include "kv_cache.h"
 #include "vectors.h"
 
@@ -402,35 +397,11 @@ void tile_softmax(float* weights, const float* scores, float* max, float* sum, f
 // products of an item run on it, transposed so that the softmax keeps its layout (lanes in vectors):
 // scores^T [key][lane] = keys [key][dim] x queries^T, keys' rows read as the A operand as they lie;
 // output^T [dim][lane] += values^T [dim][key] x weights^T, the values transposed once per tile.
-// All eight tiles are configured 16 rows x 64 bytes.
-
-// Linux hands out AMX's 8 KiB of tile state only to a process that asks for it (once, for all its threads).
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return permitted;
-}
+// All eight tiles are configured 16 rows x 64 bytes (configure_tiles, amx.h).
 
 std::atomic<bool> amx_enabled{true};
 
 bool amx_uses_tiles() { return amx_enabled && amx_permitted(); }
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t columns_bytes[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig config;
-  for (int i = 0; i < 8; ++i) {
-    config.columns_bytes[i] = 64;
-    config.rows[i] = 16;
-  }
-  _tile_loadconfig(&config);
-}
 
 // A tile's scores and output run four accumulators (tiles 4-7) at a time, so that consecutive
 // TDPBF16PS never wait on each other's result (each takes several times its issue interval), with the

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parents[1] / "csrc"
 SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "cpu_prefill_attention.cpp", CSRC / "cpu_linear.cpp",
            CSRC / "cpu_linear_f32.cpp", CSRC / "cpu_lora.cpp", CSRC / "cpu_moe.cpp"]
-HEADERS = [CSRC / "vectors.h", CSRC / "kv_cache.h"]
+HEADERS = [CSRC / "vectors.h", CSRC / "kv_cache.h", CSRC / "amx.h"]
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
 PORTABLE_FLAGS = ["-mno-avx512bf16"]  # x86-64 only
 # TRITONLLM_CPU_ARCH's x86-64 levels and the CPU flags each needs beyond the one below it (those
@@ -168,6 +168,7 @@ def _library() -> ctypes.CDLL | None:
         library.moe_experts_bf16.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64]
         library.moe_experts_bf16.restype = None
     library.prefill_attention_amx.argtypes, library.prefill_attention_amx.restype = [i64], i64
+    library.paged_attention_amx.argtypes, library.paged_attention_amx.restype = [i64], i64
     if hasattr(library, "linear_f32"):  # built for AVX2 and FMA, or AVX-512
         library.linear_f32_multiple.argtypes, library.linear_f32_multiple.restype = [flag], i64
         library.pack_linear_f32.argtypes, library.pack_linear_f32.restype = [ptr, ptr, i64, i64, flag], None
@@ -351,6 +352,13 @@ def prefill_on_amx(enable: bool | None = None) -> bool:
     AMX, and the OS lends the tiles); `enable` turns that on or off for the process first."""
     library = _library()
     return library is not None and bool(library.prefill_attention_amx(-1 if enable is None else int(enable)))
+
+
+def decode_on_amx(enable: bool | None = None) -> bool:
+    """Whether `paged_attention` scores bfloat16 decodes (float or 8-bit cache) on AMX tiles (built
+    where the compiler targets AMX, and the OS lends the tiles); `enable` turns that on or off first."""
+    library = _library()
+    return library is not None and bool(library.paged_attention_amx(-1 if enable is None else int(enable)))
 
 
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -109,13 +109,13 @@ def check_decode_attention(dtype, heads, kv_heads, head_dim, seq_lens: list[int]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 64), (16, 2, 128), (4, 1, 128)])
-def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim):
+def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim, decode_scores):
     # partial chunks, one token
     check_decode_attention(dtype, heads, kv_heads, head_dim, [1, 15, 16, 17, 100, 33, 250], num_blocks=40)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_over_long_contexts_matches_reference(dtype):
+def test_decode_attention_over_long_contexts_matches_reference(dtype, decode_scores):
     """Contexts past kMaxPrefetchBytes of keys and values (the kernel then does not prefetch them
     while the item before computes), between short ones that it does prefetch."""
     check_decode_attention(dtype, 9, 3, 64, [40, 3000, 1100, 7, 2049], num_blocks=400)
@@ -124,7 +124,7 @@ def test_decode_attention_over_long_contexts_matches_reference(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("trend", [1.0, -1.0])
 @pytest.mark.parametrize("drift", [30.0, 120.0])
-def test_decode_attention_matches_reference_as_the_running_max_moves(dtype, trend, drift):
+def test_decode_attention_matches_reference_as_the_running_max_moves(dtype, trend, drift, decode_scores):
     """Scores that rise along the positions (each key gets a growing share of its query heads' sum):
     the kernels' running max then moves in every chunk, the partial last one included, and each move
     rescales the accumulators and the denominator kept in lanes. Falling scores: it never moves after
@@ -159,24 +159,26 @@ def test_decode_attention_matches_reference_as_the_running_max_moves(dtype, tren
         close(actual, expected, dtype)
 
 
-def test_decode_attention_ignores_blocks_beyond_each_sequence():
-    """Padding entries of the block table and slots past seq_len may hold anything, even NaN."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_ignores_blocks_beyond_each_sequence(dtype, decode_scores):
+    """Padding entries of the block table and slots past seq_len may hold anything, even NaN (AMX
+    scores a block's 16 rows at once: those past seq_len too)."""
     torch.manual_seed(0)
-    cache = torch.full((2, 1, 4, 16, 64), float("nan"))
-    cache[:, :, 2, :5] = torch.randn(2, 1, 5, 64)
+    cache = torch.full((2, 1, 4, 16, 64), float("nan"), dtype=dtype)
+    cache[:, :, 2, :5] = torch.randn(2, 1, 5, 64, dtype=dtype)
     tables = torch.tensor([[2, 3]], dtype=torch.int32)
-    query = torch.randn(1, 2, 64)
+    query = torch.randn(1, 2, 64, dtype=dtype)
     one = torch.tensor([5], dtype=torch.int32)
     out = cpu_ops.paged_attention(query, cache, tables, torch.zeros(1, dtype=torch.int32), one, 0.125)
     assert torch.isfinite(out).all()
-    expected = F.scaled_dot_product_attention(query.view(1, 2, 1, 64), cache[0, :, 2, :5].unsqueeze(0),
-                                              cache[1, :, 2, :5].unsqueeze(0), scale=0.125, enable_gqa=True)
-    close(out, expected.view(1, 2, 64), torch.float32)
+    expected = F.scaled_dot_product_attention(query.view(1, 2, 1, 64).float(), cache[0, :, 2, :5].unsqueeze(0).float(),
+                                              cache[1, :, 2, :5].unsqueeze(0).float(), scale=0.125, enable_gqa=True)
+    close(out, expected.view(1, 2, 64).to(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 2, 128)])
-def test_prefill_tokens_attend_causally_over_their_blocks(dtype, heads, kv_heads, head_dim):
+def test_prefill_tokens_attend_causally_over_their_blocks(dtype, heads, kv_heads, head_dim, decode_scores):
     """A step of two decodes and two prefill chunks, one after a cached prefix of 21 tokens: each
     token attends to its sequence's positions up to its own, as causal SDPA over the same keys."""
     torch.manual_seed(0)
@@ -314,7 +316,7 @@ def test_sample_rows_argmax_and_inverse_cdf():
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 2, 128)])
 @pytest.mark.parametrize("window", [None, 1, 15, 16, 17, 40, 300])
 @pytest.mark.parametrize("cap", [None, 1.5])  # scores about N(0, 1): a cap of 1.5 bends most
-def test_sliding_window_and_soft_cap_match_reference(dtype, heads, kv_heads, head_dim, window, cap):
+def test_sliding_window_and_soft_cap_match_reference(dtype, heads, kv_heads, head_dim, window, cap, decode_scores):
     """Decodes and prefill chunks (one after a cached prefix) under windows smaller than, equal to
     and larger than their contexts, on and off block boundaries, with and without a soft cap: each
     token as the reference's decode of its own position."""
@@ -342,7 +344,7 @@ def test_sliding_window_and_soft_cap_match_reference(dtype, heads, kv_heads, hea
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sliding_window_never_reads_blocks_before_it(dtype):
+def test_sliding_window_never_reads_blocks_before_it(dtype, decode_scores):
     """Blocks wholly before every token's window may hold anything (freed, reused): NaN there changes
     nothing. Decodes at 70 and 64 positions and a chunk of 6 ending at 70, window 20, blocks of 16."""
     torch.manual_seed(0)

@@ -77,7 +77,7 @@ def random_fp8_cache(kv_heads: int, num_blocks: int, head_dim: int, cache_dtype:
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 2, 128)])
-def test_cpu_attention_over_fp8_cache_matches_reference(dtype, cache_dtype, heads, kv_heads, head_dim):
+def test_cpu_attention_over_fp8_cache_matches_reference(dtype, cache_dtype, heads, kv_heads, head_dim, decode_scores):
     """Decodes (over contexts past the kernel's prefetch bound too) and a prefill chunk after a
     cached prefix, in one call of the C++ kernel, against the references over the same codes."""
     torch.manual_seed(0)
@@ -105,7 +105,7 @@ def test_cpu_attention_over_fp8_cache_matches_reference(dtype, cache_dtype, head
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_cpu_attention_reads_every_code_exactly(dtype, cache_dtype, head_dim):
+def test_cpu_attention_reads_every_code_exactly(dtype, cache_dtype, head_dim, decode_scores):
     """Each decode attends to one position, so its output is that position's value row times v_scale
     (one rounding to the output type): every finite code, subnormals and signs included, as torch
     reads it. The bfloat16 kernel widens codes by table lookup, float32 by conversion."""
