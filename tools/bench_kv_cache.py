@@ -12,9 +12,9 @@ error: the float cache's greedy continuation scored under each cache (teacher fo
 logprobs), |logprob - float's| over those tokens, mean and max.
 kernel: one layer's decode attention (SmolLM2's 9 query heads over 3 KV heads of 64) for `--seqs`
 sequences at `--context` positions on random blocks, the C++ kernel over each cache; ms a call,
-the median of alternating rounds; bfloat16 where decodes score on AMX, with and without it. `--layers 30` gives each of 30 layers its own cache (on huge
-pages, as the engine's) and calls them in turn, as a step does: past the last-level cache, the
-blocks come from memory. `--layout` orders each sequence's blocks: random, ascending (a fresh
+the median of alternating rounds (bfloat16 where decodes score on AMX: with and without it).
+`--layers 30` gives each of 30 layers its own cache (on huge pages, as the engine's) and calls them
+in turn, as a step does: past the last-level cache, the blocks come from memory. `--layout` orders each sequence's blocks: random, ascending (a fresh
 engine's) or descending (what the least recently used blocks were before new blocks of a step
 were put in ascending order).
 decode: the engine: `--seqs` distinct prompts of `--context` tokens, then `--max-tokens` greedy tokens
