@@ -3,16 +3,19 @@
 // OS lends the tiles. Each kernel keeps its own switch (tests compare it on and off).
 #pragma once
 
+#include <atomic>
+#include <cstdint>
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define TRITONLLM_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#include <cstdint>
+#endif
 
 namespace {
 
+#if defined(TRITONLLM_AMX)
 // Linux hands out AMX's 8 KiB of tile state only to a process that asks for it (once, for all its threads).
 inline bool amx_permitted() {
   static const bool permitted = [] {
@@ -36,6 +39,26 @@ inline void configure_tiles() {
   }
   _tile_loadconfig(&config);
 }
+#endif
+
+// A kernel's switch: whether it runs on tiles (built for them, switched on, the OS lending them).
+class AmxSwitch {
+ public:
+  bool on() const {
+#if defined(TRITONLLM_AMX)
+    return enabled_ && amx_permitted();
+#else
+    return false;
+#endif
+  }
+  // `enable`: 1 on, 0 off, -1 as it is; returns on().
+  int64_t set(int64_t enable) {
+    if (enable >= 0) enabled_ = enable != 0;
+    return on();
+  }
+
+ private:
+  std::atomic<bool> enabled_{true};
+};
 
 }  // namespace
-#endif

@@ -891,11 +891,7 @@ AttendOne<bf16, C> pick_group_bf16_dot(int64_t group) {
   }
 }
 #endif
-#if defined(TRITONLLM_AMX)
-std::atomic<bool> amx_enabled{true};  // paged_attention's scores on AMX where the OS lends the tiles
-
-bool amx_uses_tiles() { return amx_enabled && amx_permitted(); }
-#endif
+AmxSwitch decode_amx;  // paged_attention's scores on AMX tiles
 
 // query [tokens, heads, dim] packed; cache [2, kv_heads, num_blocks, block_size, dim]. Each token
 // attends to positions [0, context_lens[t]) of the sequence whose blocks are row token_rows[t] of
@@ -921,7 +917,7 @@ void paged_attention(T* out, const T* query, const C* cache, const int32_t* bloc
 #endif
 #if defined(TRITONLLM_AMX)
   if constexpr (std::is_same_v<T, bf16>) {
-    amx = amx_uses_tiles();
+    amx = decode_amx.on();
     if (amx) one = dim == 64 ? pick_group_bf16_dot<C, 2, true>(group) : pick_group_bf16_dot<C, 4, true>(group);
   }
 #endif
@@ -1139,15 +1135,7 @@ __attribute__((optimize("fp-contract=fast"))) int64_t fma_peak(int64_t rounds) {
 
 // Whether bfloat16 decodes score on AMX tiles: built for them, asked for them by `enable` (1 on, 0
 // off, -1 as it is) and the OS lending them.
-extern "C" int64_t paged_attention_amx(int64_t enable) {
-#if defined(TRITONLLM_AMX)
-  if (enable >= 0) amx_enabled = enable != 0;
-  return amx_uses_tiles();
-#else
-  (void)enable;
-  return 0;
-#endif
-}
+extern "C" int64_t paged_attention_amx(int64_t enable) { return decode_amx.set(enable); }
 
 extern "C" int64_t fma_peak_flop(int64_t rounds) { return fma_peak(rounds); }
 

@@ -399,9 +399,6 @@ void tile_softmax(float* weights, const float* scores, float* max, float* sum, f
 // output^T [dim][lane] += values^T [dim][key] x weights^T, the values transposed once per tile.
 // All eight tiles are configured 16 rows x 64 bytes (configure_tiles, amx.h).
 
-std::atomic<bool> amx_enabled{true};
-
-bool amx_uses_tiles() { return amx_enabled && amx_permitted(); }
 
 // A tile's scores and output run four accumulators (tiles 4-7) at a time, so that consecutive
 // TDPBF16PS never wait on each other's result (each takes several times its issue interval), with the
@@ -788,6 +785,8 @@ void attend_item(const Chunk<T, C>& chunk, const Prepared& prepared, int64_t kv_
 // attending causally to every position up to their own; cache [2, kv_heads, num_blocks,
 // block_size, dim] of T or 8-bit C; out [tokens, heads, dim]. dim 64 or 128 (the Python side
 // checks). Items are taken from the last query tile down (the most keys first), one at a time.
+AmxSwitch prefill_amx;  // bfloat16 chunks on AMX tiles
+
 template <typename T, typename C = T>
 void prefill_attention(T* out, const T* query, int64_t query_stride, const C* cache, const int32_t* table,
                        int64_t tokens, int64_t context_len, int64_t heads, int64_t kv_heads, int64_t dim,
@@ -803,7 +802,7 @@ void prefill_attention(T* out, const T* query, int64_t query_stride, const C* ca
   bool amx = false;
 #if defined(TRITONLLM_AMX)
   if constexpr (pairs) {
-    amx = amx_uses_tiles();
+    amx = prefill_amx.on();
     if (amx) item = dim == 64 ? attend_item<T, C, true, 64, true> : attend_item<T, C, true, 128, true>;
   }
 #endif
@@ -864,12 +863,4 @@ EXPORT_PREFILL(bf16, bf16)
 
 // Whether bfloat16 chunks run on AMX tiles: built for them, the kernel asked for them by `enable`
 // (1 on, 0 off, -1 as it is) and the OS lending them.
-extern "C" int64_t prefill_attention_amx(int64_t enable) {
-#if defined(TRITONLLM_AMX)
-  if (enable >= 0) amx_enabled = enable != 0;
-  return amx_uses_tiles();
-#else
-  (void)enable;
-  return 0;
-#endif
-}
+extern "C" int64_t prefill_attention_amx(int64_t enable) { return prefill_amx.set(enable); }

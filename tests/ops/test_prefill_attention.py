@@ -172,18 +172,6 @@ def test_flash_prefill_matches_reference_over_cached_prefix(done, new):
 needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernels are not built here")
 
 
-@pytest.fixture(params=["vectors", "amx"])
-def tiles(request):
-    """bfloat16 on AVX-512 vectors, or on AMX tiles where the kernel has them (skipped elsewhere)."""
-    amx = request.param == "amx"
-    if amx and not cpu_ops.prefill_on_amx():
-        pytest.skip("the prefill kernel runs no AMX tiles on this CPU")
-    before = cpu_ops.prefill_on_amx()
-    cpu_ops.prefill_on_amx(amx)
-    yield request.param
-    cpu_ops.prefill_on_amx(before)
-
-
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
@@ -193,8 +181,6 @@ def test_prefill_kernel_matches_reference(dtype, heads, kv_heads, head_dim, done
     prefix, chunks and prefixes that end mid tile (its query tiles are 64 tokens, its key tiles 32,
     or 128 on AMX at head size 64 and 64 at 128), a single token. Blocks outside the table and positions past the context hold NaN:
     a read of any of them would show."""
-    if dtype == torch.float32 and tiles == "amx":
-        pytest.skip("AMX tiles multiply bfloat16 only")
     torch.manual_seed(7)
     query, key, value, cache, meta = make_step([(done, new)], heads, kv_heads, head_dim, dtype, num_decodes=0)
     span = meta.prefills[0]
