@@ -12,7 +12,7 @@ error: the float cache's greedy continuation scored under each cache (teacher fo
 logprobs), |logprob - float's| over those tokens, mean and max.
 kernel: one layer's decode attention (SmolLM2's 9 query heads over 3 KV heads of 64) for `--seqs`
 sequences at `--context` positions on random blocks, the C++ kernel over each cache; ms a call,
-the median of alternating rounds (bfloat16 where decodes score on AMX: with and without it).
+the median of alternating rounds (bfloat16 where decodes run on AMX: with and without it).
 `--layers 30` gives each of 30 layers its own cache (on huge pages, as the engine's) and calls them
 in turn, as a step does: past the last-level cache, the blocks come from memory. `--layout` orders each sequence's blocks: random, ascending (a fresh
 engine's) or descending (what the least recently used blocks were before new blocks of a step
@@ -93,9 +93,9 @@ def kernel(args) -> None:
     layers = "one layer" if args.layers == 1 else f"{args.layers} layers in turn"
     print(f"\ndecode attention, {layers}: {args.seqs} sequences x {args.context} positions, {heads} heads over "
           f"{kv_heads} KV heads of {dim}, {args.layout} blocks; ms a layer (median of {args.rounds} alternating rounds)\n")
-    # Where bfloat16 decodes score on AMX, each cache is timed with and without (alternating).
+    # Where bfloat16 decodes run on AMX, each cache is timed with and without (alternating).
     amx_modes = [True, False] if cpu_ops.decode_on_amx() else [False]
-    print("| activations | cache | scores | KV bytes read a layer | ms | GB/s | speed-up vs the float cache |")
+    print("| activations | cache | kernel | KV bytes read a layer | ms | GB/s | speed-up vs the float cache |")
     print("|---|---|---|---:|---:|---:|---:|")
     torch.manual_seed(0)
     order = {"random": torch.randperm(num_blocks), "ascending": torch.arange(num_blocks),
@@ -129,8 +129,8 @@ def kernel(args) -> None:
         for kv, amx in times:
             ms = statistics.median(times[kv, amx])
             read = 2 * kv_heads * args.seqs * args.context * dim * caches[kv][0].element_size()
-            scores = "AMX" if amx else "vector"
-            print(f"| {dtype_name} | {kv} | {scores} | {read / 2**20:.1f} MiB | {ms:.3f} | {read / ms / 1e6:.1f} | "
+            on = "AMX" if amx else "vectors"
+            print(f"| {dtype_name} | {kv} | {on} | {read / 2**20:.1f} MiB | {ms:.3f} | {read / ms / 1e6:.1f} | "
                   f"{base / ms:.2f}x |")
         del caches
         gc.collect()

@@ -583,15 +583,17 @@ template <typename C> constexpr bool kByteTables = !std::is_same_v<C, bf16>;  //
 // x queries^T, the keys' rows the A operands as they lie in their block (or copied, or widened from an
 // 8-bit cache, into `staged`), the G query heads' pairs the B operands, loaded once an item (zeros
 // past G). dim / 32 TDPBF16PS a chunk instead of G x dim / 32 x 16 vdpbf16ps and their sums across
-// lanes; each head's scores are then its column, gathered into a vector. Tiles: A 0 and 1, B 2, 3
-// (and 5, 6 at dim 128), C 4. A chunk is scored while the one before takes its softmax and output
+// lanes; each head's scores are then its column, gathered into a vector. Tiles at dim 128: A 0 and
+// 1, B 2, 3, 5, 6, C 4; at dim 64 `Lean`: A 0, B 1 (the queries reloaded each time), C 2, leaving
+// tiles 3-7 to the output (AmxOutput). A chunk is scored while the one before takes its softmax and output
 // (two slots of scores): scored in turn, the tiles' latency left the chunk 228 ns (from 256 on
 // vectors), ahead 187 (one thread, 9 heads over 3 KV heads of 64, keys in L2). From memory
 // (tools/bench_kv_cache.py kernel --layers 30 --layout ascending), ms a layer, vectors -> AMX: 8 x
 // 2,064 positions bfloat16 0.72 -> 0.65, E4M3 0.47 -> 0.40; 4 x 8,192 bfloat16 1.35 -> 1.17,
 // E4M3 0.87 -> 0.75.
-template <int W> struct AmxScores {
+template <int W, bool Lean = false> struct AmxScores {
   static_assert(W == 2 || W == 4);
+  static_assert(!Lean || W == 2, "lean: the queries reloaded each chunk, tiles 0-2 only");
   alignas(64) uint32_t queries[W][16][16];  // [32 dims][dim pair][head]
   alignas(64) float scores[2][kLanes][16];  // [key][head] of two chunks (slots)
   alignas(64) bf16 staged[kLanes][32 * W];  // keys not read in place
@@ -608,6 +610,7 @@ template <int W> struct AmxScores {
         _mm512_store_si512(queries[w][k], _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (1 << G) - 1, index,
                                                                        &pairs[0][0][0], 4));
       }
+    if constexpr (Lean) return;
     _tile_loadd(2, queries[0], 64);
     _tile_loadd(3, queries[1], 64);
     if constexpr (W == 4) {
@@ -618,6 +621,17 @@ template <int W> struct AmxScores {
   // rows: 16 keys, 32 * W bfloat16 apart.
   __attribute__((always_inline)) void score(const bf16* rows, int slot) {
     constexpr int64_t stride = 32 * W * sizeof(bf16);
+    if constexpr (Lean) {
+      _tile_zero(2);
+      _tile_loadd(0, rows, stride);
+      _tile_loadd(1, queries[0], 64);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(0, rows + 32, stride);
+      _tile_loadd(1, queries[1], 64);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_stored(2, scores[slot], 16 * sizeof(float));
+      return;
+    }
     _tile_zero(4);
     _tile_loadd(0, rows, stride);
     _tile_dpbf16ps(4, 0, 2);
@@ -637,13 +651,74 @@ template <int W> struct AmxScores {
     return (vfloat)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xffff, rows, &scores[slot][0][g], 4);
   }
 };
+
+// The output on AMX too, at dim 64 (its four accumulators and lean scores' three tiles, with the
+// probabilities' one, are the eight there are): out [heads][16 dims] += probabilities [heads][32
+// positions] x values [16 position pairs][16 dims x 2], two chunks at a time. A B operand's row is
+// what the vector path's unpacks make of two positions' value rows (one accumulator per unpack and
+// 32 dims, so the accumulators hold the dims in the vector path's order). Tiles: A 3, B 0 and 1,
+// C 4-7. E4M3 from memory, 30 layers of 4 x 8,192 positions: 0.78-0.84 -> 0.66-0.68 ms a layer.
+struct AmxOutput {
+  alignas(64) uint16_t probs[16][32];      // bfloat16 bits, [head][position] (rows past G stay 0)
+  alignas(64) uint32_t values[4][16][16];  // per accumulator: [position pair][dim] two bfloat16
+  alignas(64) float spill[4][16][16];      // the accumulators when rescaled, and at the end
+
+  __attribute__((always_inline)) void start() {
+    std::memset(probs, 0, sizeof probs);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  __attribute__((always_inline)) void multiply() {
+    _tile_loadd(3, probs, 64);
+    _tile_loadd(0, values[0], 64);
+    _tile_dpbf16ps(4, 3, 0);
+    _tile_loadd(1, values[1], 64);
+    _tile_dpbf16ps(5, 3, 1);
+    _tile_loadd(0, values[2], 64);
+    _tile_dpbf16ps(6, 3, 0);
+    _tile_loadd(1, values[3], 64);
+    _tile_dpbf16ps(7, 3, 1);
+  }
+  __attribute__((always_inline)) void store() {
+    _tile_stored(4, spill[0], 64);
+    _tile_stored(5, spill[1], 64);
+    _tile_stored(6, spill[2], 64);
+    _tile_stored(7, spill[3], 64);
+  }
+  __attribute__((always_inline)) void load() {
+    _tile_loadd(4, spill[0], 64);
+    _tile_loadd(5, spill[1], 64);
+    _tile_loadd(6, spill[2], 64);
+    _tile_loadd(7, spill[3], 64);
+  }
+  // Row `pair` of each accumulator's B operand from two positions' rows (zeros for a missing one).
+  __attribute__((always_inline)) void put(int pair, __m512i a0, __m512i b0, __m512i a1, __m512i b1) {
+    _mm512_store_si512(values[0][pair], _mm512_unpacklo_epi16(a0, b0));
+    _mm512_store_si512(values[1][pair], _mm512_unpackhi_epi16(a0, b0));
+    _mm512_store_si512(values[2][pair], _mm512_unpacklo_epi16(a1, b1));
+    _mm512_store_si512(values[3][pair], _mm512_unpackhi_epi16(a1, b1));
+  }
+  __attribute__((always_inline)) void clear(int pair) {
+    for (int t = 0; t < 4; ++t) _mm512_store_si512(values[t][pair], _mm512_setzero_si512());
+  }
+};
 #endif
 
+struct NoOutput {};
+
+// Amx: the scores on AMX tiles (AmxScores), and for an 8-bit cache at dim 64 the output too (AmxOutput).
 template <typename C, int G, int W, bool Amx = false>
 __attribute__((optimize("fp-contract=fast")))
 void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, const Item<C>& next,
                          int64_t block_size, float scale, float cap) {
   constexpr int64_t dim = 32 * W;
+#if defined(TRITONLLM_AMX)
+  // The output on AMX for an 8-bit cache only: a bfloat16 cache's decodes from memory were 2-8%
+  // slower with it (reading at ~20 GB/s, they wait on memory more than on this work).
+  constexpr bool AmxOut = Amx && W == 2 && !std::is_same_v<C, bf16>;
+#endif
   const C *key_cache = item.keys, *value_cache = item.values;
   const int64_t len = item.len;
   __m512bh q[G][W];
@@ -674,7 +749,10 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
 #if defined(TRITONLLM_AMX)
   // On AMX a chunk's scores are asked for one chunk ahead, so that the tiles' latency passes while
   // the chunk before takes its softmax and output.
-  [[maybe_unused]] AmxScores<W> amx;
+  [[maybe_unused]] AmxScores<W, AmxOut> amx;
+  [[maybe_unused]] std::conditional_t<AmxOut, AmxOutput, NoOutput> amx_out;
+  [[maybe_unused]] float factor[G];  // AmxOut: what the accumulators owe each head's running max's moves
+  [[maybe_unused]] vfloat pending[G] = {};  // AmxOut: the first of two chunks' probabilities
   // A chunk's 16 key rows lie one after another in one block when it starts a block's 16s.
   [[maybe_unused]] const bool in_place = std::is_same_v<C, bf16> && block_size >= kLanes && item.begin % kLanes == 0;
   [[maybe_unused]] auto score_on_amx = [&](int64_t start, const C* const* keys, int slot) {
@@ -702,6 +780,10 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
     }
     amx.score(rows, slot);
   };
+  if constexpr (AmxOut) {
+    amx_out.start();
+    for (int g = 0; g < G; ++g) factor[g] = 1.f;
+  }
   if constexpr (Amx) {
     amx.load_queries(q);
     if (item.begin < len) {
@@ -760,6 +842,71 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
     }
     for (int g = 0; g < G; ++g) chunk_scores[g] = sum_each(dots[g]);
     }
+#if defined(TRITONLLM_AMX)
+    if constexpr (AmxOut) {
+      // Chunks in twos (`half` 0, 1): the first's probabilities wait in float for the second's max.
+      const int half = int((start - item.begin) / kLanes) & 1;
+      const bool multiply = half == 1 || start + kLanes >= len;
+      for (int g = 0; g < G; ++g) {
+        vfloat scores = chunk_scores[g] * scale;
+        if (cap > 0.f) scores = soft_cap(scores, cap);
+        for (int64_t p = count; p < kLanes; ++p) scores[p] = -INFINITY;
+        const float correction = move_max(scores, max[g], sums[g]);
+        if (correction != 1.f) {
+          factor[g] *= correction;
+          if (half == 1) pending[g] *= correction;
+        }
+        vfloat probs = exp_lanes(scores - max[g]);
+        for (int64_t p = count; p < kLanes; ++p) probs[p] = 0.f;
+        if (half == 0) pending[g] = probs;
+        if (multiply)
+          for (int h = 0; h < 2; ++h) {
+            const vfloat rounded = h > half ? splat(0.f) : round_to<bf16>(h == half ? probs : pending[g]);
+            sums[g] += rounded;
+            _mm256_store_si256(reinterpret_cast<__m256i*>(&amx_out.probs[g][h * 16]),
+                               (__m256i)_mm512_cvtneps_pbh((__m512)rounded));
+          }
+      }
+      for (int64_t p = 0; p < kLanes; p += 2) {
+        const int pair = half * 8 + int(p / 2);
+        if (p >= count) {
+          amx_out.clear(pair);
+          continue;
+        }
+        const C* first = value_cache + (keys[p] - key_cache);
+        const C* second = p + 1 < count ? value_cache + (keys[p + 1] - key_cache) : nullptr;
+#if defined(__AVX512VBMI__)
+        if constexpr (kByteTables<C>) {
+          using Words = typename decltype(widen)::Words;
+          const Words a = widen.load(first);
+          const Words b = second != nullptr ? widen.load(second) : Words{_mm512_setzero_si512(), _mm512_setzero_si512()};
+          amx_out.put(pair, a.front, b.front, a.back, b.back);
+          continue;
+        }
+#endif
+        const __m512i a0 = load_bf16x32(first), a1 = load_bf16x32(first + 32);
+        const __m512i b0 = second != nullptr ? load_bf16x32(second) : _mm512_setzero_si512();
+        const __m512i b1 = second != nullptr ? load_bf16x32(second + 32) : _mm512_setzero_si512();
+        amx_out.put(pair, a0, b0, a1, b1);
+      }
+      if (multiply) {
+        if (half == 0)
+          for (int pair = 8; pair < 16; ++pair) amx_out.clear(pair);
+        bool rescale = false;
+        for (int g = 0; g < G; ++g) rescale |= factor[g] != 1.f;
+        if (rescale) {
+          amx_out.store();
+          for (int g = 0; g < G; ++g) {
+            for (int t = 0; t < 4; ++t) store(amx_out.spill[t][g], load(amx_out.spill[t][g]) * factor[g]);
+            factor[g] = 1.f;
+          }
+          amx_out.load();
+        }
+        amx_out.multiply();
+      }
+      continue;
+    }
+#endif
     for (int g = 0; g < G; ++g) {
       vfloat scores = chunk_scores[g] * scale;
       if (cap > 0.f) scores = soft_cap(scores, cap);
@@ -812,6 +959,16 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
     }
   }
   for (int64_t start = len + shift; start < next.len; start += kLanes) prefetch_rows<2>(next, start, block_size, dim);
+#if defined(TRITONLLM_AMX)
+  if constexpr (AmxOut) {
+    amx_out.store();
+    for (int g = 0; g < G; ++g)
+      for (int w = 0; w < W; ++w) {
+        low[g][w] = (__m512)load(amx_out.spill[2 * w][g]);
+        high[g][w] = (__m512)load(amx_out.spill[2 * w + 1][g]);
+      }
+  }
+#endif
 #if defined(__AVX512VBMI__)
   if constexpr (kByteTables<C>) {
     // Dims 16l..16l + 15 are lane l of low and high of the front words (16l + 0..3, 4..7) and of

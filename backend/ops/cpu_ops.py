@@ -355,8 +355,9 @@ def prefill_on_amx(enable: bool | None = None) -> bool:
 
 
 def decode_on_amx(enable: bool | None = None) -> bool:
-    """Whether `paged_attention` scores bfloat16 decodes (float or 8-bit cache) on AMX tiles (built
-    where the compiler targets AMX, and the OS lends the tiles); `enable` turns that on or off first."""
+    """Whether `paged_attention` runs bfloat16 decodes (float or 8-bit cache) on AMX tiles: the scores,
+    and an 8-bit cache's output at head size 64 (built where the compiler targets AMX, and the OS
+    lends the tiles); `enable` turns that on or off first."""
     library = _library()
     return library is not None and bool(library.paged_attention_amx(-1 if enable is None else int(enable)))
 

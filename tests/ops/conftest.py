@@ -31,8 +31,9 @@ def tiles(request):
 
 @pytest.fixture(params=["vectors", "amx"])
 def decode_scores(request):
-    """The decode kernel's scores on AVX-512 vectors, or on AMX tiles where it has them (skipped
-    elsewhere). Where there is no AMX, "vectors" is simply the kernel as built."""
+    """The decode kernel on AVX-512 vectors, or on AMX tiles where it has them (skipped elsewhere):
+    the scores, and an 8-bit cache's output at head size 64. Where there is no AMX, "vectors" is the
+    kernel as built."""
     yield from kernel_switched(request, cpu_ops.decode_on_amx, "decode")
 
 
