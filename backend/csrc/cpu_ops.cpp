@@ -583,14 +583,14 @@ template <typename C> constexpr bool kByteTables = !std::is_same_v<C, bf16>;  //
 // x queries^T, the keys' rows the A operands as they lie in their block (or copied, or widened from an
 // 8-bit cache, into `staged`), the G query heads' pairs the B operands, loaded once an item (zeros
 // past G). dim / 32 TDPBF16PS a chunk instead of G x dim / 32 x 16 vdpbf16ps and their sums across
-// lanes; each head's scores are then its column, gathered into a vector. Tiles at dim 128: A 0 and
-// 1, B 2, 3, 5, 6, C 4; at dim 64 `Lean`: A 0, B 1 (the queries reloaded each time), C 2, leaving
-// tiles 3-7 to the output (AmxOutput). A chunk is scored while the one before takes its softmax and output
-// (two slots of scores): scored in turn, the tiles' latency left the chunk 228 ns (from 256 on
-// vectors), ahead 187 (one thread, 9 heads over 3 KV heads of 64, keys in L2). From memory
-// (tools/bench_kv_cache.py kernel --layers 30 --layout ascending), ms a layer, vectors -> AMX: 8 x
-// 2,064 positions bfloat16 0.72 -> 0.65, E4M3 0.47 -> 0.40; 4 x 8,192 bfloat16 1.35 -> 1.17,
-// E4M3 0.87 -> 0.75.
+// lanes; each head's scores are then its column, gathered into a vector. Tiles: A 0 and 1, B 2, 3
+// (and 5, 6 at dim 128), C 4; `Lean` (an 8-bit cache at dim 64): A 0, B 1 (the queries reloaded
+// each time), C 2, leaving tiles 3-7 to the output (AmxOutput). A chunk is scored while the one
+// before takes its softmax and output (two slots of scores): scored in turn, the tiles' latency
+// left the chunk 228 ns (from 256 on vectors), ahead 187 (one thread, 9 heads over 3 KV heads of
+// 64, keys in L2). From memory (tools/bench_kv_cache.py kernel --layers 30 --layout ascending), ms
+// a layer, vectors -> AMX scores: 8 x 2,064 positions bfloat16 0.72 -> 0.65, E4M3 0.47 -> 0.40;
+// 4 x 8,192 bfloat16 1.35 -> 1.17, E4M3 0.87 -> 0.75.
 template <int W, bool Lean = false> struct AmxScores {
   static_assert(W == 2 || W == 4);
   static_assert(!Lean || W == 2, "lean: the queries reloaded each chunk, tiles 0-2 only");
@@ -879,7 +879,8 @@ void attend_one_bf16_dot(bf16* out, const bf16* query, const Item<C>& item, cons
         if constexpr (kByteTables<C>) {
           using Words = typename decltype(widen)::Words;
           const Words a = widen.load(first);
-          const Words b = second != nullptr ? widen.load(second) : Words{_mm512_setzero_si512(), _mm512_setzero_si512()};
+          const Words b =
+              second != nullptr ? widen.load(second) : Words{_mm512_setzero_si512(), _mm512_setzero_si512()};
           amx_out.put(pair, a.front, b.front, a.back, b.back);
           continue;
         }
@@ -1048,7 +1049,7 @@ AttendOne<bf16, C> pick_group_bf16_dot(int64_t group) {
   }
 }
 #endif
-AmxSwitch decode_amx;  // paged_attention's scores on AMX tiles
+AmxSwitch decode_amx;  // paged_attention's bfloat16 decodes on AMX tiles
 
 // query [tokens, heads, dim] packed; cache [2, kv_heads, num_blocks, block_size, dim]. Each token
 // attends to positions [0, context_lens[t]) of the sequence whose blocks are row token_rows[t] of
