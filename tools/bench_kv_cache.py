@@ -14,9 +14,9 @@ kernel: one layer's decode attention (SmolLM2's 9 query heads over 3 KV heads of
 sequences at `--context` positions on random blocks, the C++ kernel over each cache; ms a call,
 the median of alternating rounds (bfloat16 where decodes run on AMX: with and without it).
 `--layers 30` gives each of 30 layers its own cache (on huge pages, as the engine's) and calls them
-in turn, as a step does: past the last-level cache, the blocks come from memory. `--layout` orders each sequence's blocks: random, ascending (a fresh
-engine's) or descending (what the least recently used blocks were before new blocks of a step
-were put in ascending order).
+in turn, as a step does: past the last-level cache, the blocks come from memory. `--layout` orders
+each sequence's blocks: random, ascending (a fresh engine's) or descending (what the least recently
+used blocks were before new blocks of a step were put in ascending order).
 decode: the engine: `--seqs` distinct prompts of `--context` tokens, then `--max-tokens` greedy tokens
 each; the median step in which every sequence decodes (prefills are left out; rounds after the first
 find the prompts in the prefix cache), the median of alternating rounds. With one sequence the
@@ -124,7 +124,7 @@ def kernel(args) -> None:
                     for cache in caches[kv]:
                         cpu_ops.paged_attention(query, cache, tables, rows, lens, dim ** -0.5)
                 times[kv, amx].append((time.perf_counter() - start) / (args.calls * args.layers) * 1e3)
-        cpu_ops.decode_on_amx(True)
+        cpu_ops.decode_on_amx(amx_modes[0])  # as it was
         base = statistics.median(times["auto", modes[0]])
         for kv, amx in times:
             ms = statistics.median(times[kv, amx])
