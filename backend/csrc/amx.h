@@ -1,4 +1,4 @@
-// AMX's tiles as both attention kernels use them (cpu_ops.cpp: decode scores; cpu_prefill_attention.cpp:
+// AMX's tiles as both attention kernels use them (cpu_ops.cpp: decodes; cpu_prefill_attention.cpp:
 // long prefill chunks): built where the compiler targets AMX-BF16 (Sapphire Rapids on), used where the
 // OS lends the tiles. Each kernel keeps its own switch (tests compare it on and off).
 #pragma once
